@@ -1,0 +1,44 @@
+# flashdraft — set-up, tests and demo.
+# CPU machines get torch==2.13.0 (a local CPU wheel); GPU users override:  make test TORCH_SPEC="torch>=2.4"
+PYTHON     ?= python3
+VENV       ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN        := $(VENV)/bin
+STAMP      := $(VENV)/.flashdraft-installed
+
+.PHONY: venv test test-slow test-all lint demo clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[test,serve,bench]"
+	touch $(STAMP)
+
+# Default suite: tiny random models only, a few minutes on 2 cores.
+test: venv
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# Integration tests on a real model (SmolLM2-135M, fetched once into FLASHDRAFT_HOME).
+test-slow: venv
+	$(BIN)/python -m pytest -q -m slow
+
+test-all: venv
+	$(BIN)/python -m pytest -q
+
+lint: venv
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+
+# Main job on the embedded default model: fetch SmolLM2-135M-Instruct, generate with the shipped drafter.
+demo: venv
+	$(BIN)/flashdraft models fetch smollm2-135m-instruct
+	$(BIN)/flashdraft generate --target smollm2-135m-instruct --draft $(DEMO_DRAFT) --compare-ar \
+		--max-new-tokens 128 "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
+
+DEMO_DRAFT ?= drafters/smollm2-135m-instruct
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

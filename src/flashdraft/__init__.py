@@ -1,0 +1,32 @@
+"""flashdraft: DFlash block-diffusion speculative decoding for any Hugging Face decoder-only model."""
+
+from .config import DFlashConfig, DFlashConfigError, build_target_layer_ids
+from .generate import GenerationError, GenerationResult, generate, generate_ar
+from .model import DFlashCheckpointError, DFlashDraftModel, DraftContextCache
+from .proposers import DFlashProposer, NoProposer, Proposer
+from .sampling import SamplingError, SamplingParams
+from .target import DraftTargetMismatchError, Target, TargetError, load_target
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DFlashCheckpointError",
+    "DFlashConfig",
+    "DFlashConfigError",
+    "DFlashDraftModel",
+    "DFlashProposer",
+    "DraftContextCache",
+    "DraftTargetMismatchError",
+    "GenerationError",
+    "GenerationResult",
+    "NoProposer",
+    "Proposer",
+    "SamplingError",
+    "SamplingParams",
+    "Target",
+    "TargetError",
+    "build_target_layer_ids",
+    "generate",
+    "generate_ar",
+    "load_target",
+]

@@ -1,0 +1,411 @@
+"""DFlash drafter configuration, read and written exactly as z-lab's published `config.json`.
+
+A z-lab drafter config is a Qwen3 config (`model_type: "qwen3"`) plus DFlash fields:
+
+    architectures        ["DFlashDraftModel"]
+    num_target_layers    number of decoder layers of the target (only used for the default layer taps)
+    block_size           top level in older files, inside `dflash_config` in newer ones (we read both)
+    dflash_config        {"mask_token_id": int, "target_layer_ids": [ints], ...}
+
+`target_layer_ids` are 0-based ids of target decoder layers whose OUTPUT is tapped, i.e. Hugging Face
+`hidden_states[id + 1]`. Fields that would change the drafter's semantics but that this implementation does not
+implement (attention sinks, DFlash2 selectors, partial RoPE, ...) are refused, because loading them silently would
+only show up later as a collapsed acceptance rate.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+ARCHITECTURE = "DFlashDraftModel"
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+class DFlashConfigError(ValueError):
+    """A drafter config that cannot be loaded as given."""
+
+
+# Keys inside `dflash_config` we understand. Anything else there is treated as an unknown semantic change.
+_KNOWN_DFLASH_KEYS = {
+    "mask_token_id",
+    "mask_token",
+    "target_layer_ids",
+    "block_size",
+    "use_swa",
+    "swa_window_size",
+    "causal",
+    # Training metadata only; harmless for inference.
+    "num_anchors",
+    "loss_decay_gamma",
+}
+
+# Top-level (or dflash_config) fields that change what the drafter computes. Refused unless at a neutral value.
+_REFUSED_FIELDS = {
+    "attention_sink_bias": "attention sinks (MiMo-style drafters)",
+    "attention_value_scale": "a value-scaling attention variant",
+    "conv_group_size": "DFlash2 local convolution",
+    "conv_kernel_size": "DFlash2 local convolution",
+    "selector_rank": "DFlash2 candidate selector",
+    "selector_top_k": "DFlash2 candidate selector",
+    "output_multiplier": "an output multiplier",
+    "final_logit_softcapping": "drafter logit soft-capping",
+    "backbone_rotary_base": "a separate RoPE base for target features",
+    "sample_from_anchor": "the DSpark anchor-sampling layout",
+}
+# Fields allowed only when they equal a neutral value.
+_NEUTRAL_VALUES = {"partial_rotary_factor": 1.0}
+
+
+def build_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    """z-lab's default layer taps: `num_features` layers spread from layer 1 to layer L-3 (0-based).
+
+    Uses Python's round() like the reference implementation, so defaults match byte for byte
+    (e.g. 36 layers, 5 taps -> [1, 9, 17, 25, 33]).
+    """
+    if num_features < 1:
+        raise DFlashConfigError(f"need at least one target layer tap, got {num_features}")
+    if num_features == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [int(round(start + (i * span) / (num_features - 1))) for i in range(num_features)]
+
+
+@dataclass
+class DFlashConfig:
+    """Architecture and DFlash settings of a drafter (Qwen3-style decoder layers, no embedding, no LM head)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 32768
+    attention_bias: bool = False
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    causal: bool = False  # top-level `is_causal` / dflash_config.causal: every layer causal within the block
+    hidden_act: str = "silu"
+    initializer_range: float = 0.02
+    dtype: str = "bfloat16"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    # Provenance written by flashdraft (target id, chat-template mode, training data, ...). z-lab loaders
+    # ignore unknown keys, so it travels with the checkpoint harmlessly.
+    flashdraft: dict[str, Any] = field(default_factory=dict)
+    # Unrecognised but harmless keys of a loaded file, written back unchanged.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            self.layer_types = [FULL_ATTENTION] * self.num_hidden_layers
+        self.validate()
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        if self.hidden_size <= 0 or self.num_hidden_layers <= 0:
+            raise DFlashConfigError("hidden_size and num_hidden_layers must be positive")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise DFlashConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise DFlashConfigError(
+                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
+            )
+        for kind in self.layer_types:
+            if kind not in (FULL_ATTENTION, SLIDING_ATTENTION):
+                raise DFlashConfigError(f"unsupported layer type {kind!r} (expected full_attention/sliding_attention)")
+        if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
+            raise DFlashConfigError("sliding_attention layers need a positive sliding_window")
+        if self.block_size < 2:
+            raise DFlashConfigError(f"block_size must be at least 2 (anchor + one mask slot), got {self.block_size}")
+        if not self.target_layer_ids:
+            raise DFlashConfigError("target_layer_ids is empty")
+        for i in self.target_layer_ids:
+            if not 0 <= i < self.num_target_layers:
+                raise DFlashConfigError(
+                    f"target layer id {i} is outside the target's {self.num_target_layers} decoder layers "
+                    f"(valid ids are 0..{self.num_target_layers - 1})"
+                )
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise DFlashConfigError(
+                f"mask_token_id {self.mask_token_id} is outside the vocabulary (0..{self.vocab_size - 1})"
+            )
+
+    @property
+    def num_target_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    # ------------------------------------------------------------------ (de)serialisation
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> DFlashConfig:
+        d = copy.deepcopy(raw)
+        archs = d.pop("architectures", None) or [ARCHITECTURE]
+        if ARCHITECTURE not in archs:
+            raise DFlashConfigError(
+                f"architectures={archs}: this is not a DFlash drafter (expected {ARCHITECTURE!r}); "
+                "DFlash2 and other variants are not supported"
+            )
+        model_type = d.pop("model_type", "qwen3")
+        if model_type != "qwen3":
+            raise DFlashConfigError(f"model_type={model_type!r}: DFlash drafters are Qwen3-style (model_type 'qwen3')")
+        dflash = d.pop("dflash_config", None) or {}
+        unknown = set(dflash) - _KNOWN_DFLASH_KEYS
+        for key in sorted(set(dflash) | set(d)):
+            value = dflash.get(key, d.get(key))
+            if key in _REFUSED_FIELDS and value not in (None, False, 0):
+                raise DFlashConfigError(
+                    f"config field {key!r}={value!r} asks for {_REFUSED_FIELDS[key]}, which flashdraft does not "
+                    "implement; refusing to load rather than silently computing something else"
+                )
+            if key in _NEUTRAL_VALUES and value is not None and value != _NEUTRAL_VALUES[key]:
+                raise DFlashConfigError(f"config field {key!r}={value!r} is not supported (only {_NEUTRAL_VALUES[key]})")
+        unknown -= set(_REFUSED_FIELDS)
+        if unknown:
+            raise DFlashConfigError(f"unknown dflash_config fields {sorted(unknown)}; refusing to guess their meaning")
+        for key in _REFUSED_FIELDS:
+            dflash.pop(key, None)
+            d.pop(key, None)
+        if d.get("v_head_dim") not in (None, d.get("head_dim")):
+            raise DFlashConfigError(f"v_head_dim={d['v_head_dim']} differs from head_dim; not supported")
+        d.pop("v_head_dim", None)
+        d.pop("partial_rotary_factor", None)
+
+        def need(key: str) -> Any:
+            if key not in d:
+                raise DFlashConfigError(f"drafter config is missing required field {key!r}")
+            return d.pop(key)
+
+        hidden_size = need("hidden_size")
+        num_hidden_layers = need("num_hidden_layers")
+        num_attention_heads = need("num_attention_heads")
+        num_key_value_heads = d.pop("num_key_value_heads", num_attention_heads)
+        head_dim = d.pop("head_dim", None) or hidden_size // num_attention_heads
+        num_target_layers = need("num_target_layers")
+
+        block_size = dflash.get("block_size", d.get("block_size"))
+        if dflash.get("block_size") is not None and d.get("block_size") is not None:
+            if int(dflash["block_size"]) != int(d["block_size"]):
+                raise DFlashConfigError(
+                    f"block_size disagrees: top level {d['block_size']} vs dflash_config {dflash['block_size']}"
+                )
+        d.pop("block_size", None)
+        if block_size is None:
+            raise DFlashConfigError("block_size is missing (looked at top level and in dflash_config)")
+
+        if "mask_token_id" not in dflash:
+            raise DFlashConfigError("dflash_config.mask_token_id is missing")
+        target_layer_ids = dflash.get("target_layer_ids")
+        if target_layer_ids is None:
+            # z-lab's code default ties the number of taps to the number of draft layers.
+            target_layer_ids = build_target_layer_ids(num_target_layers, num_hidden_layers)
+
+        rope_theta = d.pop("rope_theta", None)
+        rope_parameters = d.pop("rope_parameters", None)
+        rope_scaling = d.pop("rope_scaling", None)
+        for rope in (rope_parameters, rope_scaling):
+            if rope:
+                rope_type = rope.get("rope_type", rope.get("type", "default"))
+                if rope_type != "default":
+                    raise DFlashConfigError(f"RoPE type {rope_type!r} is not supported (only 'default')")
+                rope_theta = rope.get("rope_theta", rope_theta)
+        if rope_theta is None:
+            rope_theta = 10000.0
+
+        layer_types = d.pop("layer_types", None)
+        sliding_window = d.pop("sliding_window", None)
+        use_sliding_window = d.pop("use_sliding_window", False)
+        max_window_layers = d.pop("max_window_layers", num_hidden_layers)
+        if dflash.get("use_swa"):
+            use_sliding_window = True
+            sliding_window = dflash.get("swa_window_size", sliding_window)
+        if not layer_types:
+            # Qwen3's rule: layers from max_window_layers on use the window when it is enabled.
+            sliding = bool(use_sliding_window and sliding_window)
+            layer_types = [
+                SLIDING_ATTENTION if sliding and i >= max_window_layers else FULL_ATTENTION
+                for i in range(num_hidden_layers)
+            ]
+        causal = bool(d.pop("is_causal", False) or dflash.get("causal", False))
+
+        hidden_act = d.pop("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise DFlashConfigError(f"hidden_act={hidden_act!r} is not supported (Qwen3 drafters use silu)")
+        dtype = d.pop("dtype", None) or d.pop("torch_dtype", None) or "bfloat16"
+        d.pop("torch_dtype", None)
+        flashdraft_meta = d.pop("flashdraft", {}) or {}
+        cfg = cls(
+            hidden_size=hidden_size,
+            intermediate_size=need("intermediate_size"),
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads,
+            head_dim=head_dim,
+            vocab_size=need("vocab_size"),
+            num_target_layers=num_target_layers,
+            target_layer_ids=[int(i) for i in target_layer_ids],
+            mask_token_id=int(dflash["mask_token_id"]),
+            block_size=int(block_size),
+            rms_norm_eps=float(d.pop("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=int(d.pop("max_position_embeddings", 32768)),
+            attention_bias=bool(d.pop("attention_bias", False)),
+            layer_types=list(layer_types),
+            sliding_window=sliding_window,
+            causal=causal,
+            hidden_act=hidden_act,
+            initializer_range=float(d.pop("initializer_range", 0.02)),
+            dtype=str(dtype),
+            bos_token_id=d.pop("bos_token_id", None),
+            eos_token_id=d.pop("eos_token_id", None),
+            flashdraft=flashdraft_meta,
+        )
+        if dflash.get("mask_token") is not None:
+            cfg.extra["_mask_token"] = dflash["mask_token"]
+        for key in ("auto_map", "attention_dropout", "tie_word_embeddings", "use_cache", "transformers_version"):
+            d.pop(key, None)
+        cfg.extra.update(d)
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        """The z-lab `config.json` layout (Qwen3 fields + DFlash fields)."""
+        uses_window = SLIDING_ATTENTION in self.layer_types
+        dflash: dict[str, Any] = {
+            "block_size": self.block_size,
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": list(self.target_layer_ids),
+        }
+        if "_mask_token" in self.extra:
+            dflash["mask_token"] = self.extra["_mask_token"]
+        if self.causal:
+            dflash["causal"] = True
+        out: dict[str, Any] = {
+            "architectures": [ARCHITECTURE],
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "block_size": self.block_size,
+            "bos_token_id": self.bos_token_id,
+            "dflash_config": dflash,
+            "dtype": self.dtype,
+            "eos_token_id": self.eos_token_id,
+            "head_dim": self.head_dim,
+            "hidden_act": self.hidden_act,
+            "hidden_size": self.hidden_size,
+            "initializer_range": self.initializer_range,
+            "intermediate_size": self.intermediate_size,
+            "layer_types": list(self.layer_types),
+            "max_position_embeddings": self.max_position_embeddings,
+            "max_window_layers": self.num_hidden_layers,
+            "model_type": "qwen3",
+            "num_attention_heads": self.num_attention_heads,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_key_value_heads": self.num_key_value_heads,
+            "num_target_layers": self.num_target_layers,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_scaling": None,
+            "rope_theta": self.rope_theta,
+            "sliding_window": self.sliding_window if uses_window else None,
+            "tie_word_embeddings": False,
+            "use_cache": True,
+            "use_sliding_window": uses_window,
+            "vocab_size": self.vocab_size,
+        }
+        if self.causal:
+            out["is_causal"] = True
+        if self.flashdraft:
+            out["flashdraft"] = self.flashdraft
+        for key, value in self.extra.items():
+            if not key.startswith("_"):
+                out.setdefault(key, value)
+        return out
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> DFlashConfig:
+        path = Path(path)
+        file = path / CONFIG_NAME if path.is_dir() else path
+        if not file.exists():
+            raise DFlashConfigError(f"no {CONFIG_NAME} found at {path}")
+        try:
+            raw = json.loads(file.read_text())
+        except json.JSONDecodeError as e:
+            raise DFlashConfigError(f"{file} is not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise DFlashConfigError(f"{file} does not hold a JSON object")
+        return cls.from_dict(raw)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / CONFIG_NAME).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+    # ------------------------------------------------------------------ construction from a target
+    @classmethod
+    def for_target(
+        cls,
+        target_config: Any,
+        *,
+        num_layers: int = 5,
+        block_size: int = 16,
+        mask_token_id: int,
+        target_layer_ids: list[int] | None = None,
+        intermediate_size: int | None = None,
+        num_target_features: int = 5,
+        vocab_size: int | None = None,
+    ) -> DFlashConfig:
+        """A drafter config with the target's widths (hidden, heads, head_dim, RoPE), as z-lab's drafters have."""
+        tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        n_target = int(tc.num_hidden_layers)
+        heads = int(tc.num_attention_heads)
+        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
+        rope_theta = _rope_theta_of(tc)
+        if target_layer_ids is None:
+            target_layer_ids = build_target_layer_ids(n_target, min(num_target_features, n_target))
+        return cls(
+            hidden_size=int(tc.hidden_size),
+            intermediate_size=int(intermediate_size or tc.intermediate_size),
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or heads),
+            head_dim=int(head_dim),
+            vocab_size=int(vocab_size or tc.vocab_size),
+            num_target_layers=n_target,
+            target_layer_ids=list(target_layer_ids),
+            mask_token_id=mask_token_id,
+            block_size=block_size,
+            rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6) or 1e-6),
+            rope_theta=rope_theta,
+            max_position_embeddings=int(getattr(tc, "max_position_embeddings", 32768) or 32768),
+            bos_token_id=getattr(tc, "bos_token_id", None),
+            eos_token_id=getattr(tc, "eos_token_id", None),
+        )
+
+
+def _rope_theta_of(config: Any) -> float:
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict):
+        # Per-layer-type dicts (Gemma3: {"full_attention": {...}, "sliding_attention": {...}}).
+        if "rope_theta" not in params and FULL_ATTENTION in params:
+            params = params[FULL_ATTENTION]
+        if params.get("rope_theta"):
+            return float(params["rope_theta"])
+    theta = getattr(config, "rope_theta", None)
+    return float(theta) if theta else 10000.0
+

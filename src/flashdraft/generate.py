@@ -1,0 +1,244 @@
+"""The speculative decode loop (batch size 1): prefill -> [propose -> verify -> accept -> roll back]*.
+
+    prefill   target(prompt), taps -> features of the prompt; first token x_P sampled from the last logits
+    propose   drafter([x, MASK x (B-1)]) with the context features -> B-1 draft tokens (greedy)
+    verify    target([x, d_1 .. d_{B-1}]) in one forward -> keep the longest accepted prefix + one target token
+    rollback  crop the target cache to the fixed tokens; their features become new draft context
+
+At temperature 0 the output is the target's own greedy decoding token for token; at temperature > 0 it is an exact
+sample from the target's distribution (see sampling.py). `generate_ar` runs the very same loop with no proposer,
+so comparisons between the two measure speculation and nothing else.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .model import DFlashDraftModel
+from .proposers import DFlashProposer, NoProposer, Proposer
+from .sampling import SamplingParams, sample_token, verify_block
+from .target import Target, TargetError
+
+
+class GenerationError(ValueError):
+    """Invalid generation request (batch, lengths, block size)."""
+
+
+@dataclass
+class GenerationResult:
+    sequences: torch.Tensor  # [1, prompt + new] like transformers' generate
+    prompt_length: int
+    acceptance_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify step, bonus included
+    prefill_s: float = 0.0  # prefill + first token
+    decode_s: float = 0.0  # every verify step after that
+    stop_reason: str = "max_new_tokens"
+
+    @property
+    def new_tokens(self) -> list[int]:
+        return self.sequences[0, self.prompt_length :].tolist()
+
+    @property
+    def num_new_tokens(self) -> int:
+        return self.sequences.shape[1] - self.prompt_length
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.acceptance_lengths)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """τ: mean tokens per verify step (1.0 for plain decoding)."""
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens from the decode phase per second (the first token comes from prefill)."""
+        n = self.num_new_tokens - 1
+        return n / self.decode_s if self.decode_s > 0 and n > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_new_tokens": self.num_new_tokens,
+            "num_steps": self.num_steps,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "acceptance_lengths": self.acceptance_lengths,
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
+            "tokens_per_s": self.tokens_per_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            "stop_reason": self.stop_reason,
+        }
+
+
+def _as_target(target: Target | Any) -> Target:
+    return target if isinstance(target, Target) else Target(target)
+
+
+def _as_input_ids(input_ids: torch.Tensor | Sequence[int], device: torch.device) -> torch.Tensor:
+    ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(input_ids, dtype=torch.long)
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2:
+        raise GenerationError(f"input_ids must be [1, n] or [n], got shape {tuple(ids.shape)}")
+    if ids.shape[0] != 1:
+        raise GenerationError(
+            f"batch size {ids.shape[0]}: generate() decodes one sequence at a time for now; call it per prompt"
+        )
+    if ids.shape[1] == 0:
+        raise GenerationError("the prompt is empty")
+    return ids.to(device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def decode(
+    target: Target,
+    proposer: Proposer,
+    input_ids: torch.Tensor | Sequence[int],
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    stop_token_ids: Sequence[int] | None = None,
+    block_size: int | None = None,
+    seed: int | None = None,
+    on_tokens: Callable[[list[int]], Any] | None = None,
+) -> GenerationResult:
+    """The loop shared by speculative and plain decoding; `proposer` decides which one it is."""
+    ids = _as_input_ids(input_ids, target.device)
+    prompt_len = ids.shape[1]
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if prompt_len + max_new_tokens > target.max_context:
+        raise GenerationError(
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the target's context of "
+            f"{target.max_context} tokens"
+        )
+    if int(ids.max()) >= target.vocab_size or int(ids.min()) < 0:
+        raise GenerationError(f"prompt holds token ids outside the vocabulary (0..{target.vocab_size - 1})")
+    block_size = proposer.max_block_size if block_size is None else block_size
+    if not isinstance(block_size, int) or not 1 <= block_size <= proposer.max_block_size:
+        raise GenerationError(
+            f"block_size must be between 1 and the drafter's block size {proposer.max_block_size}, got {block_size!r}"
+        )
+    stops = set(target.eos_token_ids if stop_token_ids is None else stop_token_ids)
+    generator = None
+    if not sampling.greedy:
+        generator = torch.Generator(device=target.device)
+        generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    taps = proposer.tap_layer_ids
+    device = target.device
+
+    # ---- prefill
+    _sync(device)
+    t0 = time.perf_counter()
+    cache = target.new_cache()
+    out = target.forward(ids, cache, taps, last_logits_only=True)
+    first = sample_token(out.logits[0, -1], sampling, generator)
+    proposer.start(out.features)
+    tokens = [first]
+    _sync(device)
+    t1 = time.perf_counter()
+    if on_tokens:
+        on_tokens([first])
+    result = GenerationResult(sequences=ids, prompt_length=prompt_len, prefill_s=t1 - t0)
+    done = first in stops or max_new_tokens == 1
+    if first in stops:
+        result.stop_reason = "stop_token"
+
+    # ---- decode
+    while not done:
+        remaining = max_new_tokens - len(tokens)
+        anchor_position = prompt_len + len(tokens) - 1  # the anchor is the last fixed token, not yet in the cache
+        num_drafts = min(block_size - 1, remaining - 1)  # never verify past max_new_tokens
+        drafts = (
+            proposer.propose(tokens[-1], anchor_position, num_drafts).to(device)
+            if num_drafts > 0
+            else torch.empty(0, dtype=torch.long, device=device)
+        )
+        block = torch.cat([torch.tensor([tokens[-1]], device=device), drafts])[None]
+        out = target.forward(block, cache, taps)
+        accepted, emitted = verify_block(out.logits[0], drafts, sampling, generator)
+
+        emitted = emitted[:remaining]
+        for i, tok in enumerate(emitted):
+            if tok in stops:  # a stop token ends the output inside an accepted run
+                emitted = emitted[: i + 1]
+                result.stop_reason = "stop_token"
+                done = True
+                break
+        tokens.extend(emitted)
+        result.acceptance_lengths.append(len(emitted))
+        if on_tokens:
+            on_tokens(emitted)
+        if len(tokens) >= max_new_tokens:
+            done = True
+        if not done:
+            # Keep anchor + accepted drafts in the target cache; their features extend the draft context.
+            target.crop(cache, anchor_position + accepted + 1)
+            proposer.accept(None if out.features is None else out.features[:, : accepted + 1])
+    _sync(device)
+    result.decode_s = time.perf_counter() - t1
+    result.sequences = torch.cat([ids, torch.tensor([tokens], dtype=torch.long, device=device)], dim=1)
+    return result
+
+
+def generate(
+    target: Target | Any,
+    draft: DFlashDraftModel | Proposer,
+    input_ids: torch.Tensor | Sequence[int],
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    stop_token_ids: Sequence[int] | None = None,
+    block_size: int | None = None,
+    seed: int | None = None,
+    on_tokens: Callable[[list[int]], Any] | None = None,
+) -> GenerationResult:
+    """Lossless speculative generation with a DFlash drafter (or any `Proposer`).
+
+    `target` is a `Target` or a transformers causal LM; `stop_token_ids=None` uses the target's EOS ids, `[]`
+    disables stopping. `block_size` may be smaller than the drafter's trained block size. `on_tokens` receives the
+    new token ids after every step (streaming).
+    """
+    target = _as_target(target)
+    sampling = SamplingParams(temperature, top_p, top_k)
+    proposer = DFlashProposer(draft, target) if isinstance(draft, DFlashDraftModel) else draft
+    if not isinstance(proposer, Proposer):
+        raise TypeError(f"draft must be a DFlashDraftModel or a Proposer, got {type(draft).__name__}")
+    return decode(target, proposer, input_ids, max_new_tokens, sampling, stop_token_ids, block_size, seed, on_tokens)
+
+
+def generate_ar(
+    target: Target | Any,
+    input_ids: torch.Tensor | Sequence[int],
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    stop_token_ids: Sequence[int] | None = None,
+    seed: int | None = None,
+    on_tokens: Callable[[list[int]], Any] | None = None,
+) -> GenerationResult:
+    """Plain autoregressive decoding with the same target wrapper, cache and sampler: the honest baseline."""
+    target = _as_target(target)
+    sampling = SamplingParams(temperature, top_p, top_k)
+    return decode(target, NoProposer(), input_ids, max_new_tokens, sampling, stop_token_ids, 1, seed, on_tokens)
+
+
+__all__ = ["GenerationResult", "GenerationError", "TargetError", "decode", "generate", "generate_ar"]

@@ -1,0 +1,408 @@
+"""The DFlash drafter: a few Qwen3-style decoder layers conditioned on fused target hidden states.
+
+Data flow for one draft pass (paper §3, reference `dflash/model.py`):
+
+    target features [c, T*H] --fc--> [c, H] --hidden_norm--> context            (once per accepted token)
+    block = embed([anchor, MASK, ..., MASK])                                       (B query tokens)
+    every layer i:  Q = q_norm(Wq · ln(block))
+                    K = k_norm(Wk · [context ; ln(block)])   V = Wv · [context ; ln(block)]
+                    RoPE at absolute positions (context j -> j, slot k -> anchor + k)
+    norm(output) -> the target's LM head (not part of the drafter)
+
+The projected context K/V of each layer are kept in a `DraftContextCache` that grows only with accepted tokens;
+the block's own K/V are never stored. One attention rule serves inference and training alike: a query in block b
+sees context positions strictly before its anchor and the keys of its own block (all of them in
+`full_attention` layers; causal and windowed in `sliding_attention` layers), never another block.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import CONFIG_NAME, SLIDING_ATTENTION, WEIGHTS_NAME, DFlashConfig, DFlashConfigError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class DFlashCheckpointError(ValueError):
+    """A drafter checkpoint whose files are missing, unreadable or do not match its config."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE (the Qwen3/Llama convention) evaluated at arbitrary absolute positions."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq.to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [b, s, head_dim]
+        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # broadcast over heads
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        h, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        b, s, _ = x.shape
+        return x.view(b, s, n, self.head_dim).transpose(1, 2)  # [b, n, s, d]
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of `x` (context or block) with k_norm and RoPE: the same projections for both (KV injection)."""
+        k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), cos, sin)
+        v = self._heads(self.v_proj(x), self.num_kv_heads)
+        return k, v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context_k: torch.Tensor,
+        context_v: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        b, q_len, _ = x.shape
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
+        block_k, block_v = self.project_kv(x, cos, sin)
+        k = torch.cat([context_k, block_k], dim=2)
+        v = torch.cat([context_v, block_v], dim=2)
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: DFlashConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DFlashAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DFlashMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x, cos, sin, context_k, context_v, mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_k, context_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class DraftContextCache:
+    """Per-layer K/V of the fused target context. Grows only with accepted tokens; holds no block K/V."""
+
+    keys: list[torch.Tensor | None] = field(default_factory=list)
+    values: list[torch.Tensor | None] = field(default_factory=list)
+    positions: torch.Tensor | None = None  # [b, c] absolute positions of the cached context
+
+    def __len__(self) -> int:
+        return 0 if self.positions is None else self.positions.shape[1]
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` context entries (e.g. to reuse a shared prompt prefix)."""
+        if self.positions is None:
+            return
+        self.positions = self.positions[:, :length]
+        self.keys = [k[:, :, :length] for k in self.keys]
+        self.values = [v[:, :, :length] for v in self.values]
+
+
+class DFlashDraftModel(nn.Module):
+    """z-lab compatible DFlash drafter. Weights: `layers.N.*`, `fc`, `hidden_norm`, `norm` (no embedding/head)."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.fc = nn.Linear(config.num_target_features * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return self.config.target_layer_ids
+
+    # ------------------------------------------------------------------ forward
+    def fuse(self, target_features: torch.Tensor) -> torch.Tensor:
+        """[.., T*H] concatenated target layer outputs -> [.., H] context (fc + hidden_norm)."""
+        return self.hidden_norm(self.fc(target_features))
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        block_positions: torch.Tensor,
+        target_features: torch.Tensor | None = None,
+        context_positions: torch.Tensor | None = None,
+        cache: DraftContextCache | None = None,
+        num_blocks: int = 1,
+    ) -> torch.Tensor:
+        """Draft hidden states (after the final norm) for the block queries.
+
+        block_embeds:      [b, q, H] target embeddings of [anchor, MASK, ...] for `num_blocks` blocks of q/num_blocks
+        block_positions:   [b, q] absolute positions (anchor + slot)
+        target_features:   [b, c, T*H] new context features (raw concatenated taps), or None
+        context_positions: [b, c] their absolute positions
+        cache:             if given, the new context K/V are appended to it and all cached context is attended
+        """
+        b, q_len, _ = block_embeds.shape
+        if q_len % num_blocks:
+            raise ValueError(f"{q_len} query tokens do not split into {num_blocks} equal blocks")
+        dtype = self.fc.weight.dtype
+        x = block_embeds.to(dtype)
+        cos_q, sin_q = self.rotary_emb(block_positions, dtype)
+        context = None
+        if target_features is not None and target_features.shape[1] > 0:
+            if context_positions is None:
+                raise ValueError("context_positions are required with target_features")
+            context = self.fuse(target_features.to(dtype))
+            cos_c, sin_c = self.rotary_emb(context_positions, dtype)
+        if cache is not None and context is not None:
+            cache.positions = (
+                context_positions if cache.positions is None else torch.cat([cache.positions, context_positions], 1)
+            )
+        all_context_positions = cache.positions if cache is not None else context_positions
+        if all_context_positions is None:
+            all_context_positions = block_positions.new_zeros(b, 0)
+        masks = self._attention_masks(block_positions, all_context_positions, num_blocks)
+
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            if context is not None:
+                ctx_k, ctx_v = attn.project_kv(context, cos_c, sin_c)
+            else:
+                ctx_k = x.new_zeros(b, attn.num_kv_heads, 0, attn.head_dim)
+                ctx_v = ctx_k
+            if cache is not None:
+                if len(cache.keys) <= i:
+                    cache.keys.append(ctx_k)
+                    cache.values.append(ctx_v)
+                elif context is not None:
+                    cache.keys[i] = torch.cat([cache.keys[i], ctx_k], dim=2)
+                    cache.values[i] = torch.cat([cache.values[i], ctx_v], dim=2)
+                ctx_k, ctx_v = cache.keys[i], cache.values[i]
+            x = layer(x, cos_q, sin_q, ctx_k, ctx_v, masks[layer.layer_type])
+        return self.norm(x)
+
+    def _attention_masks(
+        self, block_positions: torch.Tensor, context_positions: torch.Tensor, num_blocks: int
+    ) -> dict[str, torch.Tensor | None]:
+        """Boolean [b, 1, q, c+q] masks (True = attend) per layer type; None where everything is visible.
+
+        A query of block j sees context positions < anchor_j and its own block; `sliding_attention` layers (or a
+        causal config) are causal inside the block and only see keys within `sliding_window` positions.
+        """
+        b, q_len = block_positions.shape
+        blk = q_len // num_blocks
+        need_causal = self.config.causal or SLIDING_ATTENTION in self.config.layer_types
+        masks: dict[str, torch.Tensor | None] = {}
+        if num_blocks == 1 and not need_causal:
+            # Inference fast path: one block, and all cached context lies before its anchor by construction.
+            return {"full_attention": None, SLIDING_ATTENTION: None}
+        device = block_positions.device
+        q_block = torch.arange(q_len, device=device) // blk  # [q]
+        anchors = block_positions.view(b, num_blocks, blk)[:, :, 0]  # [b, nb]
+        q_anchor = anchors[:, q_block]  # [b, q]
+        ctx_visible = context_positions[:, None, :] < q_anchor[:, :, None]  # [b, q, c]
+        own_block = (q_block[:, None] == q_block[None, :]).expand(b, q_len, q_len)  # [b, q, q]
+        causal = block_positions[:, None, :] <= block_positions[:, :, None]  # key pos <= query pos
+        for layer_type in ("full_attention", SLIDING_ATTENTION):
+            is_sliding = layer_type == SLIDING_ATTENTION
+            ctx, blk_vis = ctx_visible, own_block
+            if is_sliding or self.config.causal:
+                blk_vis = blk_vis & causal
+            if is_sliding:
+                w = self.config.sliding_window
+                ctx = ctx & (context_positions[:, None, :] > block_positions[:, :, None] - w)
+                blk_vis = blk_vis & (block_positions[:, None, :] > block_positions[:, :, None] - w)
+            masks[layer_type] = torch.cat([ctx, blk_vis], dim=-1)[:, None]
+        return masks
+
+    # ------------------------------------------------------------------ construction and checkpoints
+    @classmethod
+    def for_target(
+        cls,
+        target_config: Any,
+        *,
+        num_layers: int = 5,
+        block_size: int = 16,
+        mask_token_id: int,
+        target_layer_ids: list[int] | None = None,
+        intermediate_size: int | None = None,
+        vocab_size: int | None = None,
+        seed: int | None = None,
+    ) -> DFlashDraftModel:
+        """A fresh (untrained) drafter sized for `target_config` (a transformers config)."""
+        config = DFlashConfig.for_target(
+            target_config,
+            num_layers=num_layers,
+            block_size=block_size,
+            mask_token_id=mask_token_id,
+            target_layer_ids=target_layer_ids,
+            intermediate_size=intermediate_size,
+            vocab_size=vocab_size,
+        )
+        if seed is not None:
+            torch.manual_seed(seed)
+        return cls(config)
+
+    def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
+        """Write `config.json` + `model.safetensors` in z-lab's layout (atomically: temp file, then rename)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        dtype = dtype or self.fc.weight.dtype
+        state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in self.state_dict().items()}
+        self.config.dtype = next(name for name, dt in _DTYPES.items() if dt == dtype)
+        tmp = path / (WEIGHTS_NAME + ".tmp")
+        save_file(state, str(tmp), metadata={"format": "pt"})
+        tmp.replace(path / WEIGHTS_NAME)
+        self.config.save_pretrained(path)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device | None = None
+    ) -> DFlashDraftModel:
+        """Load a drafter directory (z-lab's or ours). `dtype=None` keeps the checkpoint's dtype."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        path = Path(_resolve_draft_path(path))
+        config = DFlashConfig.from_pretrained(path)
+        weights = path / WEIGHTS_NAME
+        if not weights.exists():
+            shards = sorted(path.glob("model-*.safetensors"))
+            if not shards:
+                raise DFlashCheckpointError(f"no {WEIGHTS_NAME} in {path}")
+        else:
+            shards = [weights]
+        state: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            try:
+                state.update(load_file(str(shard)))
+            except (SafetensorError, OSError, ValueError) as e:
+                raise DFlashCheckpointError(f"cannot read drafter weights {shard}: {e}") from None
+        # Some exporters prefix names with "model."; z-lab's files have none.
+        state = {k.removeprefix("model."): v for k, v in state.items()}
+        state.pop("embed_tokens.weight", None)
+        state.pop("lm_head.weight", None)
+        with torch.device("meta"):
+            model = cls(config)
+        expected = model.state_dict()
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise DFlashCheckpointError(
+                f"{shards[0]} does not match its config: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+            )
+        for name, tensor in state.items():
+            if tensor.shape != expected[name].shape:
+                raise DFlashCheckpointError(
+                    f"tensor {name} has shape {tuple(tensor.shape)} but the config implies {tuple(expected[name].shape)}"
+                )
+        load_dtype = dtype or _DTYPES.get(config.dtype, next(iter(state.values())).dtype)
+        model = model.to_empty(device=device or "cpu")
+        model.load_state_dict({k: v.to(load_dtype) for k, v in state.items()}, strict=True)
+        model.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta).to(device or "cpu")
+        return model.to(load_dtype).eval()
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def _resolve_draft_path(path: str | Path) -> str:
+    """A local directory, or a hub id resolved through huggingface_hub when available (online users)."""
+    p = Path(path)
+    if p.exists():
+        return str(p)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors", "*.md"])
+    except Exception as e:  # offline, unknown repo, ...
+        raise DFlashCheckpointError(f"drafter {path!r} is neither a local directory nor a reachable hub repo: {e}") from None
+
+
+def read_model_card_meta(path: str | Path) -> dict[str, Any]:
+    """flashdraft provenance stored in config.json (empty for z-lab drafters)."""
+    try:
+        return json.loads((Path(path) / CONFIG_NAME).read_text()).get("flashdraft", {}) or {}
+    except (OSError, json.JSONDecodeError, DFlashConfigError):
+        return {}

@@ -1,0 +1,330 @@
+"""Any Hugging Face decoder-only causal LM seen through what DFlash needs from it.
+
+The drafter borrows four things from its frozen target: the token embedding (block inputs), the LM head (draft
+logits), the outputs of a few decoder layers (the context features), and a KV cache that can be rolled back after
+a partially rejected block. `Target` provides exactly these, for Llama, Qwen2/3, Mistral, Gemma and any other
+`AutoModelForCausalLM` whose decoder layers sit in one `nn.ModuleList`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import warnings
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+class TargetError(ValueError):
+    """The target model cannot be used as asked."""
+
+
+class DraftTargetMismatchError(TargetError):
+    """The drafter was not made for this target (sizes, vocabulary, layer taps)."""
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # [b, n, V] (float32)
+    features: torch.Tensor | None  # [b, n, len(tap_layer_ids) * H], outputs of the tapped decoder layers
+
+
+def _find_decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
+    """The ModuleList holding the decoder layers (model.model.layers for most families)."""
+    candidates = [
+        (name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == num_layers
+    ]
+    if not candidates:
+        raise TargetError(f"cannot find the {num_layers} decoder layers of {type(model).__name__}")
+    return min(candidates, key=lambda c: c[0].count("."))[1]
+
+
+def _find_final_norm(model: nn.Module) -> nn.Module | None:
+    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    for attr in ("norm", "final_layernorm", "ln_f", "final_norm"):
+        if isinstance(getattr(base, attr, None), nn.Module):
+            return getattr(base, attr)
+    return None
+
+
+class Target:
+    """A frozen target model: `embed`, `lm_head_logits`, `forward` with layer taps, and cache rollback."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any = None, name: str | None = None) -> None:
+        self.model = model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name or getattr(model.config, "_name_or_path", None) or type(model).__name__
+        cfg = model.config
+        self.config = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        self.num_layers = int(self.config.num_hidden_layers)
+        self.layers = _find_decoder_layers(model, self.num_layers)
+        self.embed_tokens = model.get_input_embeddings()
+        self.lm_head = model.get_output_embeddings()
+        if self.lm_head is None:
+            raise TargetError(f"{type(model).__name__} has no LM head: flashdraft needs a causal LM")
+        self.hidden_size = int(self.embed_tokens.weight.shape[1])
+        self.vocab_size = int(self.embed_tokens.weight.shape[0])  # embedding rows (may exceed the tokenizer)
+        self._final_norm = _find_final_norm(model)
+        self._softcap = getattr(self.config, "final_logit_softcapping", None)
+        # Old transformers scaled Gemma embeddings in the model forward, not in the embedding module.
+        self._embed_scale = 1.0
+        if getattr(self.config, "model_type", "") in ("gemma", "gemma2") and not hasattr(
+            self.embed_tokens, "embed_scale"
+        ):
+            self._embed_scale = self.hidden_size**0.5
+        params = inspect.signature(model.forward).parameters
+        self._logits_to_keep_arg = next((a for a in ("logits_to_keep", "num_logits_to_keep") if a in params), None)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", None) or 1 << 30)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """End-of-sequence ids from the generation config (chat models often stop on several)."""
+        ids: Any = None
+        gen = getattr(self.model, "generation_config", None)
+        if gen is not None:
+            ids = gen.eos_token_id
+        if ids is None:
+            ids = getattr(self.config, "eos_token_id", None)
+        if ids is None and self.tokenizer is not None:
+            ids = self.tokenizer.eos_token_id
+        if ids is None:
+            return []
+        return [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
+
+    # ------------------------------------------------------------------ what the drafter borrows
+    @torch.no_grad()
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """What the target's first decoder layer would receive for these ids (module scaling included)."""
+        # Some embeddings carry an extra `embed_norm` that must not be applied to DFlash block inputs
+        # (transformers' own DFlash candidate generator bypasses it the same way).
+        embed_norm = getattr(self.embed_tokens, "embed_norm", None)
+        if embed_norm is not None:
+            self.embed_tokens.embed_norm = nn.Identity()
+        try:
+            out = self.embed_tokens(input_ids)
+        finally:
+            if embed_norm is not None:
+                self.embed_tokens.embed_norm = embed_norm
+        return out * self._embed_scale if self._embed_scale != 1.0 else out
+
+    def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
+        if self._softcap:
+            logits = torch.tanh(logits / self._softcap) * self._softcap
+        return logits
+
+    # ------------------------------------------------------------------ forward with layer taps
+    def new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        try:
+            cache = DynamicCache(config=self.model.config)
+        except TypeError:  # transformers < 4.56
+            cache = DynamicCache()
+        if hasattr(cache, "activate_past_recording"):
+            # Sliding-window layers must keep their past to be rolled back after a rejected block.
+            cache.activate_past_recording()
+        return cache
+
+    @contextmanager
+    def _taps(self, tap_layer_ids: Sequence[int]):
+        captured: dict[int, torch.Tensor] = {}
+        handles = []
+        for layer_id in dict.fromkeys(tap_layer_ids):
+
+            def hook(_module, _args, output, layer_id=layer_id):
+                captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
+            handles.append(self.layers[layer_id].register_forward_hook(hook))
+        try:
+            yield captured
+        finally:
+            for h in handles:
+                h.remove()
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: Any,
+        tap_layer_ids: Sequence[int] = (),
+        last_logits_only: bool = False,
+    ) -> TargetOutput:
+        """Run the target on `input_ids` after what `cache` holds; tap the outputs of `tap_layer_ids`.
+
+        A tap of layer i equals Hugging Face `hidden_states[i + 1]` (for the last layer that includes the final
+        norm, as in HF), without materialising every layer's states.
+        """
+        kwargs: dict[str, Any] = {"past_key_values": cache, "use_cache": True}
+        if last_logits_only and self._logits_to_keep_arg:
+            kwargs[self._logits_to_keep_arg] = 1
+        with self._taps(tap_layer_ids) as captured:
+            out = self.model(input_ids=input_ids, **kwargs)
+        features = None
+        if tap_layer_ids:
+            feats = []
+            for i in tap_layer_ids:
+                h = captured[i]
+                if i == self.num_layers - 1:
+                    if self._final_norm is None:
+                        raise TargetError("cannot tap the last layer: the final norm of this model was not found")
+                    h = self._final_norm(h)
+                feats.append(h)
+            features = torch.cat(feats, dim=-1)
+        logits = out.logits
+        if last_logits_only:
+            logits = logits[:, -1:]
+        return TargetOutput(logits=logits.float(), features=features)
+
+    @staticmethod
+    def cache_length(cache: Any) -> int:
+        return int(cache.get_seq_length())
+
+    @staticmethod
+    def crop(cache: Any, length: int) -> None:
+        """Roll the KV cache back to `length` tokens (works with transformers 4.57 and 5.x `crop` semantics)."""
+        remove = int(cache.get_seq_length()) - length
+        if remove < 0:
+            raise TargetError(f"cannot crop a cache of {cache.get_seq_length()} tokens to {length}")
+        if remove == 0:
+            return
+        try:
+            # Negative = tokens to remove: the only form 5.x accepts, and also understood by 4.57.
+            cache.crop(-remove)
+        except Exception as e:
+            raise TargetError(
+                f"the target's cache ({type(cache).__name__}) cannot be rolled back by {remove} tokens: {e}. "
+                "Speculative decoding needs a rollback-capable cache (recurrent/hybrid targets are not supported yet)."
+            ) from None
+        if int(cache.get_seq_length()) != length:
+            raise TargetError(f"cache rollback left {cache.get_seq_length()} tokens instead of {length}")
+
+    # ------------------------------------------------------------------ compatibility checks
+    def check_drafter(self, draft_config: Any) -> None:
+        """Refuse a drafter that was not made for this target, naming the mismatch."""
+        c = draft_config
+        if c.hidden_size != self.hidden_size:
+            raise DraftTargetMismatchError(
+                f"drafter hidden size {c.hidden_size} != target hidden size {self.hidden_size}: "
+                f"this drafter was made for a different target than {self.name}"
+            )
+        bad = [i for i in c.target_layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise DraftTargetMismatchError(
+                f"drafter taps target layers {bad}, but {self.name} has only {self.num_layers} decoder layers "
+                f"(valid ids 0..{self.num_layers - 1})"
+            )
+        if not 0 <= c.mask_token_id < self.vocab_size:
+            raise DraftTargetMismatchError(
+                f"drafter mask_token_id {c.mask_token_id} is outside the target's embedding rows (0..{self.vocab_size - 1})"
+            )
+        if c.vocab_size != self.vocab_size:
+            raise DraftTargetMismatchError(
+                f"vocabulary mismatch: drafter expects {c.vocab_size} tokens, target has {self.vocab_size}"
+            )
+        if c.num_target_layers != self.num_layers:
+            warnings.warn(
+                f"drafter was made for a {c.num_target_layers}-layer target, {self.name} has {self.num_layers} layers; "
+                "acceptance will likely be low",
+                stacklevel=2,
+            )
+        trained_for = (getattr(c, "flashdraft", None) or {}).get("target")
+        if trained_for and self.name and trained_for not in (self.name,) and not str(self.name).endswith(trained_for):
+            log.info("drafter was trained for %s, target is %s", trained_for, self.name)
+
+    # ------------------------------------------------------------------ prompts
+    def encode_prompt(
+        self,
+        prompt: str | list[dict[str, str]],
+        chat: bool = True,
+        enable_thinking: bool | None = None,
+        system: str | None = None,
+    ) -> torch.Tensor:
+        """Token ids [1, n] for a prompt, through the chat template when the tokenizer has one."""
+        if self.tokenizer is None:
+            raise TargetError("this target has no tokenizer; pass token ids instead of text")
+        tok = self.tokenizer
+        if chat and getattr(tok, "chat_template", None):
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            if system is not None:
+                messages = [{"role": "system", "content": system}, *messages]
+            kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+        else:
+            text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+            ids = tok(text)["input_ids"]
+        if ids and isinstance(ids[0], list):
+            ids = ids[0]
+        return torch.tensor([ids], dtype=torch.long, device=self.device)
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_dtype(device: str | torch.device) -> torch.dtype:
+    # bf16 is slower than fp32 for small-batch matmuls on CPUs without AMX; on GPUs bf16 is the norm.
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def load_target(
+    name_or_path: str,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device | None = None,
+    auto_fetch: bool = True,
+) -> Target:
+    """Load a target by offline pack name (`smollm2-135m-instruct`, ...), local path or Hugging Face hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .packs import resolve_model
+
+    path = resolve_model(name_or_path, auto_fetch=auto_fetch)
+    device = device or default_device()
+    if isinstance(dtype, str):
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    dtype = dtype or default_dtype(device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as e:
+        raise TargetError(f"cannot load target {name_or_path!r}: {e}") from None
+    return Target(model.to(device), tokenizer, name=name_or_path)
+
+
+def choose_mask_token_id(tokenizer: Any, embedding_rows: int) -> int:
+    """A mask id for a new drafter: an unused embedding row past the tokenizer if there is one (as Qwen3's
+    151669), otherwise a special token that chat never produces (its embedding stays frozen either way)."""
+    n_tok = len(tokenizer) if tokenizer is not None else embedding_rows
+    if embedding_rows > n_tok:
+        return n_tok
+    if tokenizer is not None:
+        used = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+        chat_markers = {"<|im_start|>", "<|im_end|>", "<|endoftext|>", "<s>", "</s>", "<bos>", "<eos>", "<pad>"}
+        for token in getattr(tokenizer, "all_special_tokens", []):
+            tid = tokenizer.convert_tokens_to_ids(token)
+            if token not in chat_markers and tid not in used and tid is not None and 0 <= tid < embedding_rows:
+                return int(tid)
+    return embedding_rows - 1
