@@ -6,8 +6,8 @@ import random
 
 import pytest
 import torch
-from conftest import ARCHS, VOCAB, OracleProposer, hf_greedy
 
+from conftest import ARCHS, VOCAB, OracleProposer, hf_greedy
 from flashdraft import (
     DFlashDraftModel,
     GenerationError,
@@ -68,7 +68,7 @@ def test_oracle_proposer_long_runs_rollback_stops(models, arch):
         # Acceptance is exactly the oracle's k + 1 except where the output was cut (stop / max_new_tokens).
         # A last step with a single token left drafts nothing, so the proposer may not have been asked.
         assert len(got.acceptance_lengths) - len(proposer.chosen_k) in (0, 1)
-        for step, (k, a) in enumerate(zip(proposer.chosen_k, got.acceptance_lengths)):
+        for step, (k, a) in enumerate(zip(proposer.chosen_k, got.acceptance_lengths, strict=False)):
             if step < got.num_steps - 1:
                 assert a == k + 1
             else:

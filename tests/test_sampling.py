@@ -9,9 +9,9 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import tiny_model
 from scipy.stats import chisquare
 
+from conftest import tiny_model
 from flashdraft import DFlashDraftModel, Proposer, SamplingParams, Target, generate
 from flashdraft.sampling import target_probs, verify_block
 
@@ -101,7 +101,9 @@ def assert_same_law(samples: Counter, joint: dict, n: int) -> None:
 def test_sampling_is_lossless(small_target, params, proposer_kind):
     target = Target(small_target)
     if proposer_kind == "dflash":
-        proposer = DFlashDraftModel.for_target(small_target.config, num_layers=1, block_size=4, mask_token_id=V - 1)
+        proposer = DFlashDraftModel.for_target(
+            small_target.config, num_layers=1, block_size=4, mask_token_id=V - 1
+        )
     else:
         proposer = GreedyGuessProposer(small_target, block_size=4)
     joint = exact_joint(small_target, params)
@@ -109,8 +111,15 @@ def test_sampling_is_lossless(small_target, params, proposer_kind):
     accepted_runs = 0
     for i in range(N_SAMPLES):
         res = generate(
-            target, proposer, PROMPT, max_new_tokens=3, temperature=params.temperature,
-            top_p=params.top_p, top_k=params.top_k, stop_token_ids=[], seed=i,
+            target,
+            proposer,
+            PROMPT,
+            max_new_tokens=3,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            stop_token_ids=[],
+            seed=i,
         )
         samples[tuple(res.new_tokens)] += 1
         accepted_runs += res.acceptance_lengths[0] > 1
@@ -149,8 +158,28 @@ def test_top_k_top_p_filtering():
 def test_same_seed_same_sample(small_target):
     target = Target(small_target)
     draft = DFlashDraftModel.for_target(small_target.config, num_layers=1, block_size=4, mask_token_id=V - 1)
-    runs = [generate(target, draft, PROMPT, 12, temperature=1.0, seed=11, stop_token_ids=[]).new_tokens for _ in range(2)]
+    runs = [
+        generate(target, draft, PROMPT, 12, temperature=1.0, seed=11, stop_token_ids=[]).new_tokens
+        for _ in range(2)
+    ]
     assert runs[0] == runs[1]
     rng = random.Random(0)
-    assert len({tuple(generate(target, draft, PROMPT, 12, temperature=1.0, seed=rng.randrange(10**6),
-                               stop_token_ids=[]).new_tokens) for _ in range(5)}) > 1
+    assert (
+        len(
+            {
+                tuple(
+                    generate(
+                        target,
+                        draft,
+                        PROMPT,
+                        12,
+                        temperature=1.0,
+                        seed=rng.randrange(10**6),
+                        stop_token_ids=[],
+                    ).new_tokens
+                )
+                for _ in range(5)
+            }
+        )
+        > 1
+    )

@@ -131,11 +131,15 @@ class DFlashConfig:
             )
         for kind in self.layer_types:
             if kind not in (FULL_ATTENTION, SLIDING_ATTENTION):
-                raise DFlashConfigError(f"unsupported layer type {kind!r} (expected full_attention/sliding_attention)")
+                raise DFlashConfigError(
+                    f"unsupported layer type {kind!r} (expected full_attention/sliding_attention)"
+                )
         if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
             raise DFlashConfigError("sliding_attention layers need a positive sliding_window")
         if self.block_size < 2:
-            raise DFlashConfigError(f"block_size must be at least 2 (anchor + one mask slot), got {self.block_size}")
+            raise DFlashConfigError(
+                f"block_size must be at least 2 (anchor + one mask slot), got {self.block_size}"
+            )
         if not self.target_layer_ids:
             raise DFlashConfigError("target_layer_ids is empty")
         for i in self.target_layer_ids:
@@ -165,7 +169,9 @@ class DFlashConfig:
             )
         model_type = d.pop("model_type", "qwen3")
         if model_type != "qwen3":
-            raise DFlashConfigError(f"model_type={model_type!r}: DFlash drafters are Qwen3-style (model_type 'qwen3')")
+            raise DFlashConfigError(
+                f"model_type={model_type!r}: DFlash drafters are Qwen3-style (model_type 'qwen3')"
+            )
         dflash = d.pop("dflash_config", None) or {}
         unknown = set(dflash) - _KNOWN_DFLASH_KEYS
         for key in sorted(set(dflash) | set(d)):
@@ -176,10 +182,14 @@ class DFlashConfig:
                     "implement; refusing to load rather than silently computing something else"
                 )
             if key in _NEUTRAL_VALUES and value is not None and value != _NEUTRAL_VALUES[key]:
-                raise DFlashConfigError(f"config field {key!r}={value!r} is not supported (only {_NEUTRAL_VALUES[key]})")
+                raise DFlashConfigError(
+                    f"config field {key!r}={value!r} is not supported (only {_NEUTRAL_VALUES[key]})"
+                )
         unknown -= set(_REFUSED_FIELDS)
         if unknown:
-            raise DFlashConfigError(f"unknown dflash_config fields {sorted(unknown)}; refusing to guess their meaning")
+            raise DFlashConfigError(
+                f"unknown dflash_config fields {sorted(unknown)}; refusing to guess their meaning"
+            )
         for key in _REFUSED_FIELDS:
             dflash.pop(key, None)
             d.pop(key, None)
@@ -201,11 +211,11 @@ class DFlashConfig:
         num_target_layers = need("num_target_layers")
 
         block_size = dflash.get("block_size", d.get("block_size"))
-        if dflash.get("block_size") is not None and d.get("block_size") is not None:
-            if int(dflash["block_size"]) != int(d["block_size"]):
-                raise DFlashConfigError(
-                    f"block_size disagrees: top level {d['block_size']} vs dflash_config {dflash['block_size']}"
-                )
+        both = dflash.get("block_size") is not None and d.get("block_size") is not None
+        if both and int(dflash["block_size"]) != int(d["block_size"]):
+            raise DFlashConfigError(
+                f"block_size disagrees: top level {d['block_size']} vs dflash_config {dflash['block_size']}"
+            )
         d.pop("block_size", None)
         if block_size is None:
             raise DFlashConfigError("block_size is missing (looked at top level and in dflash_config)")
@@ -279,7 +289,13 @@ class DFlashConfig:
         )
         if dflash.get("mask_token") is not None:
             cfg.extra["_mask_token"] = dflash["mask_token"]
-        for key in ("auto_map", "attention_dropout", "tie_word_embeddings", "use_cache", "transformers_version"):
+        for key in (
+            "auto_map",
+            "attention_dropout",
+            "tie_word_embeddings",
+            "use_cache",
+            "transformers_version",
+        ):
             d.pop(key, None)
         cfg.extra.update(d)
         return cfg
@@ -408,4 +424,3 @@ def _rope_theta_of(config: Any) -> float:
             return float(params["rope_theta"])
     theta = getattr(config, "rope_theta", None)
     return float(theta) if theta else 10000.0
-

@@ -33,7 +33,13 @@ class GenerationError(ValueError):
 class GenerationResult:
     sequences: torch.Tensor  # [1, prompt + new] like transformers' generate
     prompt_length: int
-    acceptance_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify step, bonus included
+    acceptance_lengths: list[int] = field(
+        default_factory=list
+    )  # tokens emitted per verify step, bonus included
+    draft_lengths: list[int] = field(default_factory=list)  # drafts proposed per verify step
+    accepted_drafts: list[int] = field(
+        default_factory=list
+    )  # drafts accepted per step (before stop/length cuts)
     prefill_s: float = 0.0  # prefill + first token
     decode_s: float = 0.0  # every verify step after that
     stop_reason: str = "max_new_tokens"
@@ -75,6 +81,8 @@ class GenerationResult:
             "num_steps": self.num_steps,
             "mean_acceptance_length": self.mean_acceptance_length,
             "acceptance_lengths": self.acceptance_lengths,
+            "draft_lengths": self.draft_lengths,
+            "accepted_drafts": self.accepted_drafts,
             "prefill_s": self.prefill_s,
             "decode_s": self.decode_s,
             "tokens_per_s": self.tokens_per_s,
@@ -163,7 +171,9 @@ def decode(
     # ---- decode
     while not done:
         remaining = max_new_tokens - len(tokens)
-        anchor_position = prompt_len + len(tokens) - 1  # the anchor is the last fixed token, not yet in the cache
+        anchor_position = (
+            prompt_len + len(tokens) - 1
+        )  # the anchor is the last fixed token, not yet in the cache
         num_drafts = min(block_size - 1, remaining - 1)  # never verify past max_new_tokens
         drafts = (
             proposer.propose(tokens[-1], anchor_position, num_drafts).to(device)
@@ -183,6 +193,8 @@ def decode(
                 break
         tokens.extend(emitted)
         result.acceptance_lengths.append(len(emitted))
+        result.draft_lengths.append(num_drafts)
+        result.accepted_drafts.append(accepted)
         if on_tokens:
             on_tokens(emitted)
         if len(tokens) >= max_new_tokens:
@@ -221,7 +233,9 @@ def generate(
     proposer = DFlashProposer(draft, target) if isinstance(draft, DFlashDraftModel) else draft
     if not isinstance(proposer, Proposer):
         raise TypeError(f"draft must be a DFlashDraftModel or a Proposer, got {type(draft).__name__}")
-    return decode(target, proposer, input_ids, max_new_tokens, sampling, stop_token_ids, block_size, seed, on_tokens)
+    return decode(
+        target, proposer, input_ids, max_new_tokens, sampling, stop_token_ids, block_size, seed, on_tokens
+    )
 
 
 def generate_ar(
@@ -238,7 +252,9 @@ def generate_ar(
     """Plain autoregressive decoding with the same target wrapper, cache and sampler: the honest baseline."""
     target = _as_target(target)
     sampling = SamplingParams(temperature, top_p, top_k)
-    return decode(target, NoProposer(), input_ids, max_new_tokens, sampling, stop_token_ids, 1, seed, on_tokens)
+    return decode(
+        target, NoProposer(), input_ids, max_new_tokens, sampling, stop_token_ids, 1, seed, on_tokens
+    )
 
 
 __all__ = ["GenerationResult", "GenerationError", "TargetError", "decode", "generate", "generate_ar"]

@@ -100,7 +100,9 @@ class DFlashAttention(nn.Module):
         b, s, _ = x.shape
         return x.view(b, s, n, self.head_dim).transpose(1, 2)  # [b, n, s, d]
 
-    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def project_kv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of `x` (context or block) with k_norm and RoPE: the same projections for both (KV injection)."""
         k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), cos, sin)
         v = self._heads(self.v_proj(x), self.num_kv_heads)
@@ -234,7 +236,9 @@ class DFlashDraftModel(nn.Module):
             cos_c, sin_c = self.rotary_emb(context_positions, dtype)
         if cache is not None and context is not None:
             cache.positions = (
-                context_positions if cache.positions is None else torch.cat([cache.positions, context_positions], 1)
+                context_positions
+                if cache.positions is None
+                else torch.cat([cache.positions, context_positions], 1)
             )
         all_context_positions = cache.positions if cache is not None else context_positions
         if all_context_positions is None:
@@ -397,7 +401,9 @@ def _resolve_draft_path(path: str | Path) -> str:
 
         return snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors", "*.md"])
     except Exception as e:  # offline, unknown repo, ...
-        raise DFlashCheckpointError(f"drafter {path!r} is neither a local directory nor a reachable hub repo: {e}") from None
+        raise DFlashCheckpointError(
+            f"drafter {path!r} is neither a local directory nor a reachable hub repo: {e}"
+        ) from None
 
 
 def read_model_card_meta(path: str | Path) -> dict[str, Any]:

@@ -71,7 +71,9 @@ class DFlashProposer(Proposer):
         n_ctx = 0 if pending is None else pending.shape[1]
         if context_start + n_ctx != anchor_position:
             # The draft context must hold exactly the tokens before the anchor, or acceptance silently collapses.
-            raise RuntimeError(f"draft context covers {context_start + n_ctx} tokens, anchor is at {anchor_position}")
+            raise RuntimeError(
+                f"draft context covers {context_start + n_ctx} tokens, anchor is at {anchor_position}"
+            )
         block_ids = torch.full((1, num_tokens + 1), self.mask_token_id, dtype=torch.long, device=device)
         block_ids[0, 0] = anchor_token
         block_positions = torch.arange(anchor_position, anchor_position + num_tokens + 1, device=device)[None]

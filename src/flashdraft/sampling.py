@@ -96,7 +96,11 @@ def verify_block(
         residual[draft_tokens[a]] = 0.0
         total = residual.sum()
         # total == 0 would mean p(x) == 1, in which case x is always accepted; keep the guard for rounding.
-        bonus = int(torch.multinomial(residual / total, 1, generator=generator)) if total > 0 else int(draft_tokens[a])
+        bonus = (
+            int(torch.multinomial(residual / total, 1, generator=generator))
+            if total > 0
+            else int(draft_tokens[a])
+        )
     else:
         bonus = int(torch.multinomial(probs[n], 1, generator=generator))
     return a, [*draft_tokens[:a].tolist(), bonus]

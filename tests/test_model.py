@@ -1,0 +1,322 @@
+"""Drafter architecture, z-lab checkpoint format, target adapter taps and the mismatch errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import ARCHS, VOCAB, tiny_config
+from flashdraft import (
+    DFlashCheckpointError,
+    DFlashConfig,
+    DFlashConfigError,
+    DFlashDraftModel,
+    DraftContextCache,
+    DraftTargetMismatchError,
+    Target,
+    build_target_layer_ids,
+)
+
+# z-lab Qwen3-8B-DFlash-b16 config values (SpecForge configs/qwen3-8b-dflash.json), as published.
+ZLAB_QWEN3_8B = {
+    "architectures": ["DFlashDraftModel"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+    "block_size": 16,
+    "bos_token_id": 151643,
+    "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+    "dtype": "bfloat16",
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 12288,
+    "layer_types": ["full_attention"] * 5,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 5,
+    "model_type": "qwen3",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 5,
+    "num_key_value_heads": 8,
+    "num_target_layers": 36,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+def small_config(**overrides) -> DFlashConfig:
+    base = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=VOCAB,
+        num_target_layers=6,
+        target_layer_ids=[1, 3, 4],
+        mask_token_id=VOCAB - 1,
+        block_size=8,
+        rope_theta=10000.0,
+    )
+    base.update(overrides)
+    return DFlashConfig(**base)
+
+
+def test_default_layer_taps_match_reference_examples():
+    assert build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert build_target_layer_ids(28, 5) == [1, 7, 13, 19, 25]
+    assert build_target_layer_ids(32, 5) == [1, 8, 15, 22, 29]
+    assert build_target_layer_ids(24, 5) == [1, 6, 11, 16, 21]
+    assert build_target_layer_ids(36, 1) == [18]
+
+
+def test_zlab_config_loads_and_round_trips_field_for_field(tmp_path):
+    cfg = DFlashConfig.from_dict(ZLAB_QWEN3_8B)
+    assert (cfg.block_size, cfg.mask_token_id, cfg.target_layer_ids) == (16, 151669, [1, 9, 17, 25, 33])
+    assert cfg.layer_types == ["full_attention"] * 5 and cfg.rope_theta == 1e6
+    written = cfg.to_dict()
+    for key, value in ZLAB_QWEN3_8B.items():
+        if key == "dflash_config":
+            assert {k: written[key][k] for k in value} == value
+        else:
+            assert written[key] == value, key
+    cfg.save_pretrained(tmp_path)
+    assert DFlashConfig.from_pretrained(tmp_path).to_dict() == written
+
+
+def test_block_size_only_inside_dflash_config_and_nested_rope():
+    raw = dict(ZLAB_QWEN3_8B)
+    raw.pop("block_size")
+    raw.pop("rope_theta")
+    raw["rope_parameters"] = {"rope_theta": 1e7, "rope_type": "default"}
+    raw["dflash_config"] = {**raw["dflash_config"], "block_size": 8}
+    cfg = DFlashConfig.from_dict(raw)
+    assert cfg.block_size == 8 and cfg.rope_theta == 1e7
+    assert cfg.to_dict()["dflash_config"]["block_size"] == 8 and cfg.to_dict()["block_size"] == 8
+
+
+def test_sliding_layers_config():
+    raw = dict(ZLAB_QWEN3_8B)
+    raw["layer_types"] = ["sliding_attention"] * 4 + ["full_attention"]
+    raw["sliding_window"] = 2048
+    raw["use_sliding_window"] = True
+    cfg = DFlashConfig.from_dict(raw)
+    assert cfg.layer_types[:4] == ["sliding_attention"] * 4 and cfg.sliding_window == 2048
+    assert DFlashConfig.from_dict(cfg.to_dict()).layer_types == cfg.layer_types
+    # MiMo-style: windowing switched on inside dflash_config, no layer_types.
+    raw = {k: v for k, v in ZLAB_QWEN3_8B.items() if k != "layer_types"}
+    raw["dflash_config"] = {**raw["dflash_config"], "use_swa": True, "swa_window_size": 1024}
+    raw["max_window_layers"] = 0
+    cfg = DFlashConfig.from_dict(raw)
+    assert cfg.layer_types == ["sliding_attention"] * 5 and cfg.sliding_window == 1024
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"attention_sink_bias": True}, "attention sinks"),
+        ({"architectures": ["DFlash2DraftModel"]}, "not a DFlash drafter"),
+        ({"dflash_config": {"mask_token_id": 1, "selector_rank": 256}}, "DFlash2 candidate selector"),
+        ({"dflash_config": {"mask_token_id": 1, "mystery": 3}}, "unknown dflash_config fields"),
+        ({"dflash_config": {"mask_token_id": 151936}}, "outside the vocabulary"),
+        ({"dflash_config": {"mask_token_id": 1, "target_layer_ids": [1, 36]}}, "outside the target"),
+        ({"dflash_config": {"mask_token_id": 1, "block_size": 8}}, "block_size disagrees"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE type 'yarn'"),
+        ({"hidden_size": None}, "hidden_size"),
+    ],
+)
+def test_config_refuses_what_it_cannot_honour(change, message):
+    raw = {**ZLAB_QWEN3_8B, **change}
+    if raw.get("hidden_size") is None:
+        raw.pop("hidden_size")
+    with pytest.raises(DFlashConfigError, match=message):
+        DFlashConfig.from_dict(raw)
+
+
+def test_weights_round_trip_with_zlab_names(tmp_path):
+    torch.manual_seed(0)
+    model = DFlashDraftModel(small_config())
+    model.save_pretrained(tmp_path, dtype=torch.float32)
+    from safetensors.torch import load_file
+
+    names = set(load_file(str(tmp_path / "model.safetensors")))
+    assert {
+        "fc.weight",
+        "hidden_norm.weight",
+        "norm.weight",
+        "layers.0.self_attn.q_proj.weight",
+        "layers.1.self_attn.k_norm.weight",
+        "layers.1.mlp.down_proj.weight",
+        "layers.0.post_attention_layernorm.weight",
+    } <= names
+    assert not any("embed" in n or "lm_head" in n or "rotary" in n for n in names)
+    loaded = DFlashDraftModel.from_pretrained(tmp_path)
+    for (n1, p1), (n2, p2) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert n1 == n2 and torch.equal(p1, p2)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_corrupt_or_mismatched_checkpoints_are_clear_errors(tmp_path):
+    model = DFlashDraftModel(small_config())
+    model.save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(DFlashCheckpointError, match="cannot read drafter weights"):
+        DFlashDraftModel.from_pretrained(tmp_path)
+    DFlashDraftModel(small_config(num_hidden_layers=1)).save_pretrained(tmp_path)
+    small_config().save_pretrained(tmp_path)  # config says 2 layers, weights hold 1
+    with pytest.raises(DFlashCheckpointError, match="missing"):
+        DFlashDraftModel.from_pretrained(tmp_path)
+    DFlashDraftModel(small_config(intermediate_size=32)).save_pretrained(tmp_path)
+    small_config().save_pretrained(tmp_path)
+    with pytest.raises(DFlashCheckpointError, match="shape"):
+        DFlashDraftModel.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(DFlashConfigError, match="not valid JSON"):
+        DFlashDraftModel.from_pretrained(tmp_path)
+    with pytest.raises(DFlashCheckpointError):
+        DFlashDraftModel.from_pretrained(tmp_path / "does-not-exist")
+
+
+def _features(config: DFlashConfig, n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, n, config.num_target_features * config.hidden_size, generator=g)
+
+
+@pytest.mark.parametrize("layer_types", [None, ["sliding_attention", "full_attention"]])
+def test_incremental_context_cache_equals_recompute(layer_types):
+    """Growing the draft context cache chunk by chunk gives the logits of one from-scratch pass."""
+    extra = {"layer_types": layer_types, "sliding_window": 5} if layer_types else {}
+    cfg = small_config(**extra)
+    torch.manual_seed(1)
+    draft = DFlashDraftModel(cfg).eval()
+    feats = _features(cfg, 23)
+    block = torch.randn(1, cfg.block_size, cfg.hidden_size)
+    anchor = 23
+    positions = torch.arange(anchor, anchor + cfg.block_size)[None]
+    with torch.no_grad():
+        full = draft(block, positions, feats, torch.arange(23)[None])
+        cache = DraftContextCache()
+        start = 0
+        for chunk in (7, 1, 9, 6):  # prefill, then accepted runs of varying length
+            end = start + chunk
+            # intermediate draft passes with other blocks must not leave anything behind in the cache
+            draft(
+                torch.randn(1, 4, cfg.hidden_size),
+                torch.arange(end, end + 4)[None],
+                feats[:, start:end],
+                torch.arange(start, end)[None],
+                cache=cache,
+            )
+            start = end
+        assert len(cache) == 23 and all(k.shape[2] == 23 for k in cache.keys)
+        incremental = draft(block, positions, None, None, cache=cache)
+    torch.testing.assert_close(incremental, full, rtol=1e-5, atol=1e-5)
+
+
+def test_sliding_layers_are_windowed_and_causal_in_block():
+    cfg = small_config(num_hidden_layers=1, layer_types=["sliding_attention"], sliding_window=4)
+    torch.manual_seed(2)
+    draft = DFlashDraftModel(cfg).eval()
+    feats = _features(cfg, 12)
+    block = torch.randn(1, 8, cfg.hidden_size)
+    pos = torch.arange(12, 20)[None]
+    with torch.no_grad():
+        ref = draft(block, pos, feats, torch.arange(12)[None])
+        old_changed = feats.clone()
+        old_changed[:, :5] += 1.0  # context far outside every query's window (slot 0 sees positions 9..12)
+        assert torch.allclose(draft(block, pos, old_changed, torch.arange(12)[None]), ref, atol=1e-6)
+        later_changed = block.clone()
+        later_changed[:, 5:] += 1.0  # causal in block: slots 0..4 cannot see slots 5..7
+        out = draft(later_changed, pos, feats, torch.arange(12)[None])
+        assert torch.allclose(out[:, :5], ref[:, :5], atol=1e-6) and not torch.allclose(
+            out[:, 5:], ref[:, 5:]
+        )
+    # a full-attention drafter, by contrast, is bidirectional inside the block
+    full = DFlashDraftModel(small_config(num_hidden_layers=1)).eval()
+    with torch.no_grad():
+        a = full(block, pos, feats, torch.arange(12)[None])
+        b = full(later_changed, pos, feats, torch.arange(12)[None])
+    assert not torch.allclose(a[:, :5], b[:, :5])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_target_taps_equal_hf_hidden_states(models, arch):
+    model = models[arch]
+    target = Target(model)
+    layer_ids = [0, 2, target.num_layers - 1]  # the last layer includes the final norm, as in HF
+    ids = torch.randint(3, VOCAB, (1, 11))
+    out = target.forward(ids, target.new_cache(), layer_ids)
+    with torch.no_grad():
+        hf = model(ids, output_hidden_states=True)
+    expected = torch.cat([hf.hidden_states[i + 1] for i in layer_ids], dim=-1)
+    torch.testing.assert_close(out.features, expected)
+    torch.testing.assert_close(out.logits, hf.logits.float())
+    # the block embedding is what the first layer receives (Gemma3 scales it inside its embedding module)
+    torch.testing.assert_close(target.embed(ids), model.get_input_embeddings()(ids))
+
+
+def test_target_cache_rollback(models):
+    target = Target(models["gemma3"])  # sliding-window layers (window 8): rollback must still be exact
+    ids = torch.randint(3, VOCAB, (1, 20))
+    cache = target.new_cache()
+    target.forward(ids[:, :14], cache)
+    target.forward(ids[:, 14:], cache)  # 6 more, then roll back 4 of them
+    target.crop(cache, 16)
+    assert Target.cache_length(cache) == 16
+    got = target.forward(ids[:, 16:18], cache).logits
+    fresh = target.forward(ids[:, :18], target.new_cache()).logits[:, 16:18]
+    torch.testing.assert_close(got, fresh, rtol=1e-4, atol=1e-4)
+
+
+def test_drafter_target_mismatch_errors(models):
+    model = models["llama"]
+    target = Target(model)
+    good = DFlashConfig.for_target(model.config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1)
+    target.check_drafter(good)
+    cases = [
+        ({"hidden_size": 128, "head_dim": 32}, "hidden size 128"),
+        ({"target_layer_ids": [1, 6]}, "only 6 decoder layers"),
+        ({"mask_token_id": VOCAB + 3, "vocab_size": VOCAB + 10}, "mask_token_id"),
+        ({"vocab_size": VOCAB + 10}, "vocabulary mismatch"),
+    ]
+    for change, message in cases:
+        cfg = small_config(
+            **{
+                **{k: getattr(good, k) for k in ("num_target_layers", "target_layer_ids")},
+                "num_target_layers": 12,
+                **change,
+            }
+        )
+        with pytest.raises(DraftTargetMismatchError, match=message):
+            target.check_drafter(cfg)
+    with pytest.warns(UserWarning, match="12-layer target"):
+        target.check_drafter(small_config(num_target_layers=12, target_layer_ids=[0, 1]))
+
+
+def test_for_target_sizes_from_target():
+    cfg = tiny_config("qwen3", layers=8)
+    draft = DFlashDraftModel.for_target(
+        cfg, num_layers=3, block_size=16, mask_token_id=5, intermediate_size=100
+    )
+    c = draft.config
+    assert (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (64, 4, 2, 16)
+    assert (
+        c.intermediate_size == 100
+        and c.num_target_layers == 8
+        and c.target_layer_ids == build_target_layer_ids(8, 5)
+    )
+    assert draft.fc.weight.shape == (64, 64 * 5)
