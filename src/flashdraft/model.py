@@ -285,7 +285,7 @@ class DFlashDraftModel(nn.Module):
         ctx_visible = context_positions[:, None, :] < q_anchor[:, :, None]  # [b, q, c]
         own_block = (q_block[:, None] == q_block[None, :]).expand(b, q_len, q_len)  # [b, q, q]
         causal = block_positions[:, None, :] <= block_positions[:, :, None]  # key pos <= query pos
-        for layer_type in ("full_attention", SLIDING_ATTENTION):
+        for layer_type in set(self.config.layer_types):
             is_sliding = layer_type == SLIDING_ATTENTION
             ctx, blk_vis = ctx_visible, own_block
             if is_sliding or self.config.causal:

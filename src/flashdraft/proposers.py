@@ -65,6 +65,11 @@ class DFlashProposer(Proposer):
 
     @torch.no_grad()
     def propose(self, anchor_token: int, anchor_position: int, num_tokens: int) -> torch.Tensor:
+        return self.draft_logits(anchor_token, anchor_position, num_tokens).argmax(-1)  # the draft is greedy
+
+    @torch.no_grad()
+    def draft_logits(self, anchor_token: int, anchor_position: int, num_tokens: int) -> torch.Tensor:
+        """[num_tokens, V] draft logits for the slots after the anchor; absorbs the pending context."""
         device = self.target.device
         context_start = len(self.cache)
         pending = self._pending
@@ -87,5 +92,4 @@ class DFlashProposer(Proposer):
         )
         self._pending = None
         # Slot k predicts the token at anchor + k (same-position prediction); slot 0's output is unused.
-        logits = self.target.lm_head_logits(hidden[0, 1:])
-        return logits.argmax(-1)
+        return self.target.lm_head_logits(hidden[0, 1:])

@@ -171,16 +171,20 @@ class Target:
     def forward(
         self,
         input_ids: torch.Tensor,
-        cache: Any,
+        cache: Any | None,
         tap_layer_ids: Sequence[int] = (),
         last_logits_only: bool = False,
+        attention_mask: torch.Tensor | None = None,
     ) -> TargetOutput:
-        """Run the target on `input_ids` after what `cache` holds; tap the outputs of `tap_layer_ids`.
+        """Run the target on `input_ids` after what `cache` holds (None: no cache, as in training); tap the
+        outputs of `tap_layer_ids`.
 
         A tap of layer i equals Hugging Face `hidden_states[i + 1]` (for the last layer that includes the final
         norm, as in HF), without materialising every layer's states.
         """
-        kwargs: dict[str, Any] = {"past_key_values": cache, "use_cache": True}
+        kwargs: dict[str, Any] = {"past_key_values": cache, "use_cache": cache is not None}
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
         if last_logits_only and self._logits_to_keep_arg:
             kwargs[self._logits_to_keep_arg] = 1
         with self._taps(tap_layer_ids) as captured:

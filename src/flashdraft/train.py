@@ -1,0 +1,471 @@
+"""Training a DFlash drafter (the recipe z-lab never released; paper §3, SpecForge-compatible).
+
+One training step, per sequence of prompt + target-generated answer (S tokens):
+
+    features  = frozen target(sequence), taps at target_layer_ids            [S, T*H]   (online, or read offline)
+    anchors   = N random answer positions t with t and t+1 supervised        re-sampled every epoch
+    blocks    = [token(t), MASK x (B-1)] at positions t .. t+B-1             embedded by the target's embedding
+    hidden    = drafter(blocks, context = all S features, num_blocks = N)    block j sees context < anchor_j
+                                                                             and its own block only
+    loss      = sum_k w_k CE(lm_head(hidden[j, k]), token[t_j + k]) / sum w  k >= 1, w_k = exp(-(k-1)/gamma),
+                                                                             only supervised, in-range labels
+
+Everything a step draws at random comes from generators seeded by (seed, epoch, sequence index), so a run that
+is killed and resumed from a checkpoint takes exactly the same steps as one that never stopped, and a run split
+over N processes (torchrun, DDP) takes the same steps as one process with the same global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .model import DFlashDraftModel
+from .target import Target
+
+# ---------------------------------------------------------------------------------------------- recipe pieces
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss-decay gamma from the paper: 7 for B=16, 5 for B=10, 4 for B=8 (linear in between, B/2 - 1 beyond)."""
+    table = {16: 7.0, 10: 5.0, 8: 4.0}
+    if block_size in table:
+        return table[block_size]
+    return max(1.0, block_size / 2 - 1 if block_size > 10 else block_size / 2)
+
+
+def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """[B] loss weights per block slot: 0 for the anchor slot, exp(-(k-1)/gamma) for slot k >= 1."""
+    k = torch.arange(block_size, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
+    """Up to `num_anchors` sorted positions t with loss_mask[t] and loss_mask[t+1] (uniform, no replacement)."""
+    valid = loss_mask[:-1] & loss_mask[1:]
+    candidates = valid.nonzero().flatten()
+    if candidates.numel() > num_anchors:
+        pick = torch.randperm(candidates.numel(), generator=generator)[:num_anchors]
+        candidates = candidates[pick]
+    return candidates.sort().values
+
+
+@dataclass
+class Blocks:
+    """N blocks of one sequence, flattened to N*B query slots."""
+
+    input_ids: torch.Tensor  # [N*B] anchor token, then mask ids
+    positions: torch.Tensor  # [N*B] anchor + slot
+    labels: torch.Tensor  # [N*B] token at anchor + slot (0 where out of range)
+    weights: torch.Tensor  # [N*B] loss weight (0 for slot 0, unsupervised or out-of-range labels)
+
+
+def make_blocks(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+    weights: torch.Tensor,
+) -> Blocks:
+    """Same-position labels: slot k of the block anchored at t predicts token[t + k]."""
+    seq_len = input_ids.shape[0]
+    slots = torch.arange(block_size)
+    positions = anchors[:, None] + slots[None, :]  # [N, B]
+    in_range = positions < seq_len
+    safe = positions.clamp(max=seq_len - 1)
+    labels = torch.where(in_range, input_ids[safe], torch.zeros_like(safe))
+    supervised = in_range & loss_mask[safe]
+    block_ids = torch.full_like(positions, mask_token_id)
+    block_ids[:, 0] = input_ids[anchors]
+    slot_w = weights[None, :].expand_as(positions)
+    return Blocks(
+        input_ids=block_ids.flatten(),
+        positions=positions.flatten(),
+        labels=labels.flatten(),
+        weights=(slot_w * supervised).flatten(),
+    )
+
+
+def draft_hidden_for_blocks(
+    draft: torch.nn.Module, target: Target, features: torch.Tensor, blocks: Blocks, num_blocks: int
+) -> torch.Tensor:
+    """The training forward for one sequence: all its blocks at once, context = every position's features.
+    The drafter's attention rule keeps block j to context < anchor_j and to itself. Returns [N*B, H]."""
+    seq_len = features.shape[0]
+    device = features.device
+    block_embeds = target.embed(blocks.input_ids.to(device))[None]
+    context_positions = torch.arange(seq_len, device=device)[None]
+    hidden = draft(
+        block_embeds,
+        blocks.positions.to(device)[None],
+        target_features=features[None],
+        context_positions=context_positions,
+        num_blocks=num_blocks,
+    )
+    return hidden[0]
+
+
+def weighted_block_loss(
+    target: Target, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, chunk_size: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """sum_i w_i * CE(lm_head(hidden_i), label_i) over rows with w_i > 0, and per-row correctness.
+
+    The LM head runs in checkpointed chunks so that [rows, V] logits never exist all at once (V is large).
+    """
+    keep = weights > 0
+    hidden, labels, weights = hidden[keep], labels[keep].to(hidden.device), weights[keep].to(hidden.device)
+
+    def chunk_loss(h: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = target.lm_head_logits(h)
+        return (F.cross_entropy(logits, y, reduction="none") * w).sum(), (logits.argmax(-1) == y)
+
+    total = hidden.new_zeros((), dtype=torch.float32)
+    correct = []
+    for s in range(0, hidden.shape[0], chunk_size):
+        e = s + chunk_size
+        if torch.is_grad_enabled():
+            loss, ok = checkpoint(chunk_loss, hidden[s:e], labels[s:e], weights[s:e], use_reentrant=False)
+        else:
+            loss, ok = chunk_loss(hidden[s:e], labels[s:e], weights[s:e])
+        total = total + loss
+        correct.append(ok)
+    return total, torch.cat(correct) if correct else torch.zeros(0, dtype=torch.bool)
+
+
+# ---------------------------------------------------------------------------------------------- the trainer
+
+
+@dataclass
+class TrainConfig:
+    out_dir: str
+    num_layers: int = 5
+    block_size: int = 16
+    num_anchors: int = 512
+    gamma: float | None = None  # None: from block size (paper)
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    epochs: int = 6
+    max_steps: int | None = None  # stop early (the schedule still spans `epochs` unless this is set)
+    batch_size: int = 1  # sequences per micro-batch per process
+    grad_accum: int = 1
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    max_length: int = 3072
+    seed: int = 0
+    save_every: int = 200
+    log_every: int = 10
+    lm_head_chunk: int = 1024
+    intermediate_size: int | None = None
+    target_layer_ids: list[int] | None = None
+    mask_token_id: int | None = None
+    init_from: str | None = None  # start from an existing drafter checkpoint
+    bf16: bool | None = None  # None: bf16 autocast on CUDA, fp32 on CPU
+    progress: bool = True
+    extra_meta: dict[str, Any] = field(default_factory=dict)
+
+
+def _dist_info() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _atomic_torch_save(obj: Any, path: Path) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+class Trainer:
+    """Single-process or DDP (torchrun) training of a drafter on sequences of {input_ids, loss_mask[, features]}."""
+
+    def __init__(
+        self,
+        target: Target,
+        dataset: Sequence[dict[str, torch.Tensor]],
+        config: TrainConfig,
+        draft: DFlashDraftModel | None = None,
+    ) -> None:
+        self.target = target
+        self.dataset = dataset
+        self.cfg = config
+        self.rank, self.world = _dist_info()
+        self.device = target.device
+        if draft is None:
+            if config.init_from:
+                draft = DFlashDraftModel.from_pretrained(config.init_from, dtype=torch.float32)
+            else:
+                if config.mask_token_id is None:
+                    raise ValueError("mask_token_id is required for a new drafter")
+                draft = DFlashDraftModel.for_target(
+                    target.model.config,
+                    num_layers=config.num_layers,
+                    block_size=config.block_size,
+                    mask_token_id=config.mask_token_id,
+                    target_layer_ids=config.target_layer_ids,
+                    intermediate_size=config.intermediate_size,
+                    vocab_size=target.vocab_size,
+                    seed=config.seed,
+                )
+        target.check_drafter(draft.config)
+        if config.block_size > draft.config.block_size:
+            raise ValueError(
+                f"block_size {config.block_size} exceeds the drafter's {draft.config.block_size}"
+            )
+        self.draft = draft.to(self.device).float().train()
+        self.block_size = config.block_size
+        self.gamma = config.gamma or default_gamma(self.block_size)
+        self.weights = slot_weights(self.block_size, self.gamma)
+        self.use_bf16 = config.bf16 if config.bf16 is not None else self.device.type == "cuda"
+        self.model: torch.nn.Module = self.draft
+        if self.world > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.model = DDP(
+                self.draft, device_ids=[self.device.index] if self.device.type == "cuda" else None
+            )
+        # Sequences with no valid anchor (answers shorter than 2 tokens) cannot teach anything.
+        self.indices = [
+            i for i in range(len(dataset)) if _has_anchor(dataset[i]["loss_mask"][: config.max_length])
+        ]
+        if not self.indices:
+            raise ValueError("no training sequence has two consecutive supervised (answer) tokens")
+        self.global_batch = config.batch_size * config.grad_accum * self.world
+        self.steps_per_epoch = max(1, len(self.indices) // self.global_batch)
+        self.total_steps = config.max_steps or self.steps_per_epoch * config.epochs
+        schedule_steps = (
+            self.steps_per_epoch * config.epochs if config.max_steps is None else config.max_steps
+        )
+        self.optimizer = torch.optim.AdamW(
+            self.draft.parameters(), lr=config.lr, betas=config.adam_betas, weight_decay=config.weight_decay
+        )
+        warmup = max(1, int(round(config.warmup_ratio * schedule_steps)))
+
+        def lr_lambda(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, schedule_steps - warmup))
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda)
+        self.step = 0
+        self.out_dir = Path(config.out_dir)
+        self.ckpt_path = self.out_dir / "checkpoints" / "last.pt"
+        self.log_path = self.out_dir / "train_log.jsonl"
+        self.wall_s = 0.0
+
+    # ------------------------------------------------------------------ data order
+    def _epoch_order(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.indices), generator=g).tolist()
+
+    def _step_indices(self, step: int) -> tuple[list[list[int]], int]:
+        """This rank's micro-batches (lists of dataset indices) for a global optimizer step."""
+        epoch, k = divmod(step, self.steps_per_epoch)
+        order = [self.indices[i] for i in self._epoch_order(epoch)]
+        global_ids = order[k * self.global_batch : (k + 1) * self.global_batch]
+        mine = global_ids[self.rank :: self.world]  # interleaved shards: same global batch for any world size
+        bs = self.cfg.batch_size
+        return [mine[i : i + bs] for i in range(0, len(mine), bs)], epoch
+
+    def _features(self, item: dict[str, torch.Tensor]) -> torch.Tensor:
+        ids = item["input_ids"][: self.cfg.max_length].to(self.device)
+        if "features" in item:
+            return item["features"][: self.cfg.max_length].to(self.device, torch.float32)
+        out = self.target.forward(ids[None], None, self.draft.config.target_layer_ids, last_logits_only=True)
+        return out.features[0].float()
+
+    def _blocks(self, index: int, epoch: int) -> tuple[dict[str, torch.Tensor], Blocks, int]:
+        item = self.dataset[index]
+        ids = item["input_ids"][: self.cfg.max_length].long()
+        mask = item["loss_mask"][: self.cfg.max_length].bool()
+        g = torch.Generator().manual_seed((self.cfg.seed * 1_000_003 + epoch) * 10_000_019 + index)
+        anchors = sample_anchors(mask, self.cfg.num_anchors, g)
+        blocks = make_blocks(
+            ids, mask, anchors, self.block_size, self.draft.config.mask_token_id, self.weights
+        )
+        return item, blocks, anchors.numel()
+
+    # ------------------------------------------------------------------ one optimizer step
+    def train_step(self) -> dict[str, Any]:
+        micro_batches, epoch = self._step_indices(self.step)
+        prepared = [[self._blocks(i, epoch) for i in mb] for mb in micro_batches]
+        # Normalise by the weight of the whole global batch so any split (accumulation, ranks) gives one update.
+        local_weight = sum(float(b.weights.sum()) for mb in prepared for _, b, _ in mb)
+        total_weight = torch.tensor(local_weight, dtype=torch.float64)
+        if self.world > 1:
+            dist.all_reduce(total_weight)
+        total_weight = max(float(total_weight), 1e-8)
+        self.optimizer.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        loss_sum = 0.0
+        slot_correct = torch.zeros(self.block_size)
+        slot_count = torch.zeros(self.block_size)
+        n_blocks = 0
+        for m, mb in enumerate(prepared):
+            sync = m == len(prepared) - 1
+            ctx = self.model.no_sync() if (self.world > 1 and not sync) else contextlib.nullcontext()
+            with ctx:
+                loss = torch.zeros((), device=self.device)
+                for item, blocks, n in mb:
+                    if n == 0:
+                        continue
+                    features = self._features(item)
+                    with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16):
+                        hidden = draft_hidden_for_blocks(self.model, self.target, features, blocks, n)
+                    part, correct = weighted_block_loss(
+                        self.target, hidden.float(), blocks.labels, blocks.weights, self.cfg.lm_head_chunk
+                    )
+                    loss = loss + part
+                    slots = (torch.arange(blocks.weights.numel()) % self.block_size)[blocks.weights > 0]
+                    slot_correct += torch.bincount(
+                        slots, weights=correct.float().cpu(), minlength=self.block_size
+                    )
+                    slot_count += torch.bincount(slots, minlength=self.block_size).float()
+                    n_blocks += n
+                # DDP averages gradients over ranks; scale by world so the result is the global weighted sum.
+                (loss * self.world / total_weight).backward()
+                loss_sum += float(loss.detach())
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.cfg.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        dt = time.perf_counter() - t0
+        self.wall_s += dt
+        stats = torch.tensor([loss_sum, float(slot_count.sum()), n_blocks], dtype=torch.float64)
+        if self.world > 1:
+            dist.all_reduce(stats)
+            dist.all_reduce(slot_correct)
+            dist.all_reduce(slot_count)
+        acc = (slot_correct / slot_count.clamp(min=1)).tolist()
+        return {
+            "step": self.step,
+            "epoch": epoch,
+            "loss": float(stats[0]) / total_weight,
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": float(grad_norm),
+            "slot_acc": [round(a, 4) for a in acc[1:]],
+            "acc": float(slot_correct[1:].sum() / slot_count[1:].sum().clamp(min=1)),
+            "tokens_per_s": float(stats[1]) / dt * 1.0,
+            "blocks": int(stats[2]),
+            "step_s": dt,
+        }
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "draft": self.draft.state_dict(),
+            "draft_config": self.draft.config.to_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+            "wall_s": self.wall_s,
+            "train_config": asdict(self.cfg),
+            "rng": torch.get_rng_state(),
+        }
+
+    def save_checkpoint(self) -> None:
+        if self.rank != 0:
+            return
+        self.ckpt_path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_torch_save(self.state_dict(), self.ckpt_path)
+
+    def load_checkpoint(self, path: Path | None = None) -> bool:
+        path = path or self.ckpt_path
+        if not path.exists():
+            return False
+        state = torch.load(path, map_location=self.device, weights_only=False)
+        self.draft.load_state_dict(state["draft"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = state["step"]
+        self.wall_s = state.get("wall_s", 0.0)
+        torch.set_rng_state(state["rng"])
+        return True
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self, resume: bool = False, stop_after: int | None = None) -> list[dict[str, Any]]:
+        """Train to `total_steps` (or `stop_after` more steps, used by tests to simulate a killed run)."""
+        if resume and self.load_checkpoint() and self.rank == 0:
+            print(f"resumed from {self.ckpt_path} at step {self.step}/{self.total_steps}")
+        if self.rank == 0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        history: list[dict[str, Any]] = []
+        end = self.total_steps if stop_after is None else min(self.total_steps, self.step + stop_after)
+        progress = _progress(self.cfg.progress and self.rank == 0)
+        with progress:
+            task = progress.add_task("training", total=self.total_steps, completed=self.step)
+            while self.step < end:
+                stats = self.train_step()
+                history.append(stats)
+                if self.rank == 0:
+                    with self.log_path.open("a") as f:
+                        f.write(json.dumps(stats) + "\n")
+                    progress.update(
+                        task,
+                        completed=self.step,
+                        description=f"loss {stats['loss']:.3f} acc {stats['acc']:.3f} lr {stats['lr']:.2e}",
+                    )
+                    if self.step % self.cfg.log_every == 0 and not self.cfg.progress:
+                        print(
+                            json.dumps({k: stats[k] for k in ("step", "loss", "acc", "lr", "tokens_per_s")})
+                        )
+                if self.step % self.cfg.save_every == 0 or self.step == end:
+                    self.save_checkpoint()
+        return history
+
+
+def _has_anchor(loss_mask: torch.Tensor) -> bool:
+    mask = loss_mask.bool()
+    return bool((mask[:-1] & mask[1:]).any())
+
+
+def _progress(enabled: bool):
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        disable=not enabled,
+    )
+
+
+def machine_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {torch.get_num_threads()} threads (CPU)"

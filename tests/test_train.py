@@ -1,0 +1,279 @@
+"""The training recipe: anchors, blocks, labels, weights, masks — and agreement with the generation engine."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import VOCAB, tiny_model
+from flashdraft import DFlashDraftModel, DFlashProposer, Target
+from flashdraft.train import (
+    default_gamma,
+    draft_hidden_for_blocks,
+    make_blocks,
+    sample_anchors,
+    slot_weights,
+)
+
+
+def test_anchor_sampling_hand_worked():
+    mask = torch.tensor([0, 0, 1, 1, 1, 0, 1, 1], dtype=torch.bool)
+    g = torch.Generator().manual_seed(0)
+    # t qualifies when t and t+1 are both supervised: 2, 3 and 6 (4 is followed by an unsupervised token).
+    assert sample_anchors(mask, 5, g).tolist() == [2, 3, 6]
+    for seed in range(20):
+        picked = sample_anchors(mask, 2, torch.Generator().manual_seed(seed)).tolist()
+        assert len(picked) == 2 and picked == sorted(picked) and set(picked) <= {2, 3, 6}
+    assert sample_anchors(torch.tensor([1, 0, 1, 0], dtype=torch.bool), 4, g).numel() == 0
+
+
+def test_slot_weights_and_gamma():
+    assert default_gamma(16) == 7 and default_gamma(10) == 5 and default_gamma(8) == 4
+    w = slot_weights(16, 7.0)
+    assert w[0] == 0 and w[1] == 1 and math.isclose(float(w[2]), math.exp(-1 / 7), rel_tol=1e-6)
+    assert math.isclose(float(w[15]), math.exp(-14 / 7), rel_tol=1e-6)
+
+
+def test_blocks_labels_and_weights_hand_worked():
+    ids = torch.arange(10, 18)  # tokens 10..17 at positions 0..7
+    mask = torch.tensor([0, 0, 1, 1, 1, 0, 1, 1], dtype=torch.bool)
+    w = slot_weights(4, 4.0)
+    b = make_blocks(ids, mask, torch.tensor([3, 6]), block_size=4, mask_token_id=99, weights=w)
+    assert b.input_ids.tolist() == [13, 99, 99, 99, 16, 99, 99, 99]
+    assert b.positions.tolist() == [3, 4, 5, 6, 6, 7, 8, 9]
+    # same-position labels: slot k of the block at t predicts token[t + k]; out of range -> 0 with weight 0
+    assert b.labels.tolist() == [13, 14, 15, 16, 16, 17, 0, 0]
+    e = math.exp
+    expected = [0, 1, 0, e(-2 / 4), 0, 1, 0, 0]  # slot 0 never; position 5 unsupervised; 8, 9 out of range
+    assert torch.allclose(b.weights, torch.tensor(expected, dtype=torch.float32))
+
+
+def test_training_attention_mask_hand_worked():
+    """Two blocks (B=3) anchored at 2 and 4 over a 6-token context."""
+    from flashdraft.config import DFlashConfig
+
+    cfg = DFlashConfig(
+        hidden_size=16,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        vocab_size=10,
+        num_target_layers=4,
+        target_layer_ids=[1],
+        mask_token_id=9,
+        block_size=3,
+        layer_types=["full_attention", "sliding_attention"],
+        sliding_window=2,
+    )
+    draft = DFlashDraftModel(cfg)
+    positions = torch.tensor([[2, 3, 4, 4, 5, 6]])
+    masks = draft._attention_masks(positions, torch.arange(6)[None], num_blocks=2)
+    c, o = 1, 0
+    full = [  # keys: context 0..5 | block0 slots | block1 slots
+        [c, c, o, o, o, o, c, c, c, o, o, o],
+        [c, c, o, o, o, o, c, c, c, o, o, o],
+        [c, c, o, o, o, o, c, c, c, o, o, o],
+        [c, c, c, c, o, o, o, o, o, c, c, c],
+        [c, c, c, c, o, o, o, o, o, c, c, c],
+        [c, c, c, c, o, o, o, o, o, c, c, c],
+    ]
+    assert masks["full_attention"][0, 0].int().tolist() == full
+    sliding = [  # causal inside the block, and only keys within 2 positions (q - 2 < k <= q)
+        [o, c, o, o, o, o, c, o, o, o, o, o],
+        [o, o, o, o, o, o, c, c, o, o, o, o],
+        [o, o, o, o, o, o, o, c, c, o, o, o],
+        [o, o, o, c, o, o, o, o, o, c, o, o],
+        [o, o, o, o, o, o, o, o, o, c, c, o],
+        [o, o, o, o, o, o, o, o, o, o, c, c],
+    ]
+    assert masks["sliding_attention"][0, 0].int().tolist() == sliding
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_training_forward_agrees_with_generation_draft_step(models, sliding):
+    """For a sequence and an anchor, the logits of that block from the multi-block training forward equal the
+    logits the engine's draft step produces (prefill to the anchor's context, incremental cache, one block)."""
+    model = models["qwen3"]
+    target = Target(model)
+    extra = {}
+    draft = DFlashDraftModel.for_target(
+        model.config, num_layers=2, block_size=6, mask_token_id=VOCAB - 1, target_layer_ids=[0, 2, 4], seed=4
+    )
+    if sliding:
+        draft.config.layer_types = ["sliding_attention", "full_attention"]
+        draft.config.sliding_window = 5
+        draft.layers[0].layer_type = "sliding_attention"
+    draft.eval()
+    torch.manual_seed(0)
+    ids = torch.randint(3, VOCAB - 1, (30,))
+    features = target.forward(ids[None], None, draft.config.target_layer_ids).features[0]
+    anchors = torch.tensor([4, 11, 17, 26])
+    w = slot_weights(6, default_gamma(6))
+    blocks = make_blocks(ids, torch.ones(30, dtype=torch.bool), anchors, 6, draft.config.mask_token_id, w)
+    with torch.no_grad():
+        hidden = draft_hidden_for_blocks(draft, target, features, blocks, num_blocks=4, **extra)
+        train_logits = target.lm_head_logits(hidden).view(4, 6, -1)
+
+    for j, anchor in enumerate(anchors.tolist()):
+        proposer = DFlashProposer(draft, target)
+        # as in decoding: prefill a prefix, then accepted runs extend the context up to the anchor
+        split = anchor // 2
+        cache = target.new_cache()
+        proposer.start(target.forward(ids[None, :split], cache, proposer.tap_layer_ids).features)
+        proposer.accept(target.forward(ids[None, split:anchor], cache, proposer.tap_layer_ids).features)
+        engine_logits = proposer.draft_logits(int(ids[anchor]), anchor, 5)
+        torch.testing.assert_close(engine_logits, train_logits[j, 1:], rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------- end-to-end training
+BIGRAM_V = 64
+
+
+def bigram_target(seed: int = 5):
+    """A tiny Llama whose attention outputs are zeroed: each position sees only its own token, so greedy
+    decoding follows a fixed (nonlinear) function of the current token — a continuation a drafter can learn."""
+    model = tiny_model("llama", seed=seed, vocab=BIGRAM_V, layers=4)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    return model
+
+
+def greedy_dataset(model, n: int, prompt_len: int = 4, new: int = 40, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(3, BIGRAM_V - 1, (n, prompt_len), generator=g)
+    # The continuation depends only on the last token: cycle it through the vocabulary so every trajectory of the
+    # bigram map is in the data (held-out prompts are then in-distribution).
+    prompts[:, -1] = 3 + torch.arange(n) % (BIGRAM_V - 4)
+    out = model.generate(
+        prompts,
+        attention_mask=torch.ones_like(prompts),
+        max_new_tokens=new,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        top_k=None,
+        top_p=None,
+        temperature=None,
+    )
+    data = []
+    for row in out:
+        mask = torch.zeros(row.shape[0], dtype=torch.bool)
+        mask[prompt_len:] = True  # only the target's answer is supervised
+        data.append({"input_ids": row, "loss_mask": mask})
+    return data
+
+
+def small_train_config(out_dir, **overrides):
+    from flashdraft.train import TrainConfig
+
+    base = dict(
+        out_dir=str(out_dir),
+        num_layers=2,
+        block_size=8,
+        num_anchors=24,
+        lr=3e-3,
+        epochs=4,
+        batch_size=4,
+        mask_token_id=BIGRAM_V - 1,
+        progress=False,
+        save_every=10**9,
+        intermediate_size=256,
+    )
+    base.update(overrides)
+    return TrainConfig(**base)
+
+
+def mean_tau(target, draft, n_prompts: int = 8, seed: int = 123) -> float:
+    from flashdraft import generate
+
+    g = torch.Generator().manual_seed(seed)  # held-out prompts: a different generator than the training data
+    taus = []
+    for _ in range(n_prompts):
+        prompt = torch.randint(3, BIGRAM_V - 1, (1, 4), generator=g)
+        taus.append(generate(target, draft, prompt, 40, stop_token_ids=[]).mean_acceptance_length)
+    return sum(taus) / len(taus)
+
+
+def test_short_cpu_training_raises_tau_above_3(tmp_path):
+    from flashdraft.train import Trainer
+
+    torch.set_num_threads(2)
+    model = bigram_target()
+    target = Target(model)
+    trainer = Trainer(target, greedy_dataset(model, 60, new=32), small_train_config(tmp_path))
+    before = mean_tau(target, trainer.draft.eval())
+    history = trainer.fit()
+    after = mean_tau(target, trainer.draft.eval())
+    assert before < 1.5, before
+    assert after >= 3.0, (before, after, history[-1])
+    assert history[-1]["loss"] < history[0]["loss"]
+    logged = (tmp_path / "train_log.jsonl").read_text().splitlines()
+    assert len(logged) == len(history) and "slot_acc" in logged[-1] and "tokens_per_s" in logged[-1]
+
+
+def test_resume_reaches_the_same_parameters(tmp_path):
+    from flashdraft.train import Trainer
+
+    model = bigram_target()
+    target = Target(model)
+    data = greedy_dataset(model, 12, new=16)
+    cfg = dict(max_steps=6, batch_size=2, grad_accum=2, num_anchors=8, save_every=2)
+    straight = Trainer(target, data, small_train_config(tmp_path / "a", **cfg))
+    straight.fit()
+    killed = Trainer(target, data, small_train_config(tmp_path / "b", **cfg))
+    killed.fit(stop_after=3)  # "killed" after step 3; the last checkpoint is from step 2
+    assert killed.step == 3
+    resumed = Trainer(target, data, small_train_config(tmp_path / "b", **cfg))
+    resumed.fit(resume=True)
+    assert resumed.step == 6
+    for (name, p), q in zip(
+        straight.draft.state_dict().items(), resumed.draft.state_dict().values(), strict=True
+    ):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+    assert (
+        straight.optimizer.state_dict()["state"][0]["step"]
+        == resumed.optimizer.state_dict()["state"][0]["step"]
+    )
+
+
+def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str, result_file: str) -> None:
+    import torch.distributed as dist
+
+    from flashdraft.train import Trainer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model = bigram_target()
+        data = greedy_dataset(model, 8, new=16)
+        trainer = Trainer(
+            Target(model), data, small_train_config(out_dir, max_steps=3, batch_size=1, num_anchors=8)
+        )
+        trainer.fit()
+        if rank == 0:
+            torch.save(trainer.draft.state_dict(), result_file)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_two_processes_match_one_process_with_same_global_batch(tmp_path):
+    import torch.multiprocessing as mp
+
+    from flashdraft.train import Trainer
+
+    result = tmp_path / "ddp.pt"
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "ddp"), str(result)), nprocs=2)
+    model = bigram_target()
+    data = greedy_dataset(model, 8, new=16)
+    single = Trainer(
+        Target(model), data, small_train_config(tmp_path / "one", max_steps=3, batch_size=2, num_anchors=8)
+    )
+    single.fit()
+    ddp_state = torch.load(result)
+    for name, p in single.draft.state_dict().items():
+        torch.testing.assert_close(ddp_state[name], p, rtol=1e-4, atol=1e-5, msg=name)
