@@ -126,7 +126,8 @@ def weighted_block_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """sum_i w_i * CE(lm_head(hidden_i), label_i) over rows with w_i > 0, and per-row correctness.
 
-    The LM head runs in checkpointed chunks so that [rows, V] logits never exist all at once (V is large).
+    On GPUs the LM head runs in checkpointed chunks so that [rows, V] logits never exist all at once (V is large);
+    on CPUs memory is plentiful and recomputing would cost a whole extra LM-head pass, so chunks are kept.
     """
     keep = weights > 0
     hidden, labels, weights = hidden[keep], labels[keep].to(hidden.device), weights[keep].to(hidden.device)
@@ -139,7 +140,7 @@ def weighted_block_loss(
     correct = []
     for s in range(0, hidden.shape[0], chunk_size):
         e = s + chunk_size
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and hidden.is_cuda:
             loss, ok = checkpoint(chunk_loss, hidden[s:e], labels[s:e], weights[s:e], use_reentrant=False)
         else:
             loss, ok = chunk_loss(hidden[s:e], labels[s:e], weights[s:e])
@@ -469,3 +470,248 @@ def machine_description(device: torch.device) -> str:
     except OSError:
         pass
     return f"{cpu}, {torch.get_num_threads()} threads (CPU)"
+
+
+# ---------------------------------------------------------------------------------------------- evaluation, export
+
+
+def evaluate_tau(
+    target: Target,
+    draft: DFlashDraftModel,
+    datasets: Sequence[str],
+    max_samples: int = 20,
+    max_new_tokens: int = 128,
+    block_size: int | None = None,
+    enable_thinking: bool | None = None,
+    system: str | None = None,
+    progress: bool = True,
+) -> dict[str, dict[str, float]]:
+    """Mean τ (per-prompt means averaged, as z-lab does) at T=0 on held-out benchmark prompts, first turn."""
+    from .datasets import load_bench_dataset
+    from .generate import generate
+
+    results: dict[str, dict[str, float]] = {}
+    for name in datasets:
+        bench = load_bench_dataset(name, max_samples=max_samples, seed=0)
+        taus, tokens, seconds = [], 0, 0.0
+        iterator = bench.conversations
+        if progress:
+            from rich.progress import track
+
+            iterator = track(iterator, description=f"τ on {bench.name}")
+        for conv in iterator:
+            ids = target.encode_prompt(conv.user_turns[0], enable_thinking=enable_thinking, system=system)
+            res = generate(target, draft, ids, max_new_tokens, block_size=block_size)
+            taus.append(res.mean_acceptance_length)
+            tokens += res.num_new_tokens
+            seconds += res.total_s
+        results[bench.name] = {
+            "tau": sum(taus) / len(taus),
+            "prompts": len(taus),
+            "tokens": tokens,
+            "tokens_per_s": tokens / seconds if seconds else 0.0,
+        }
+    return results
+
+
+def write_model_card(out_dir: Path, draft: DFlashDraftModel, info: dict[str, Any]) -> None:
+    c = draft.config
+    lines = [
+        "---",
+        "library_name: flashdraft",
+        "tags: [dflash, speculative-decoding, block-diffusion]",
+        f"base_model: {info.get('target')}",
+        "---",
+        f"# DFlash drafter for `{info.get('target')}`",
+        "",
+        "A DFlash block-diffusion drafter trained with flashdraft, saved in z-lab's checkpoint format "
+        "(`config.json` + `model.safetensors`, no embedding/LM head: the target's are used), so flashdraft, "
+        "z-lab's `dflash`, vLLM and SGLang load it unchanged.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| target | `{info.get('target')}` |",
+        f"| draft layers / hidden / MLP | {c.num_hidden_layers} / {c.hidden_size} / {c.intermediate_size} |",
+        f"| block size | {c.block_size} |",
+        f"| target layers tapped | {c.target_layer_ids} |",
+        f"| mask token id | {c.mask_token_id} |",
+        f"| parameters | {draft.num_parameters() / 1e6:.1f} M |",
+        f"| chat template mode | {json.dumps(info.get('chat_template'))} |",
+        f"| training data | {info.get('data_summary')} |",
+        f"| steps × global batch | {info.get('steps')} × {info.get('global_batch')} sequences, "
+        f"{info.get('num_anchors')} anchors per sequence |",
+        f"| hardware | {info.get('hardware')} |",
+        f"| training wall time | {info.get('wall_time_s', 0) / 60:.1f} min |",
+        "",
+        "**Serve it in the same chat-template mode it was trained in** (system prompt and thinking flag above): a "
+        "mismatch between training and serving mode collapses acceptance.",
+        "",
+    ]
+    if info.get("eval"):
+        lines += [
+            f"## Acceptance length τ (T=0, block {c.block_size}, held-out prompts, first turn, "
+            f"{info.get('eval_max_new_tokens')} new tokens)",
+            "",
+            "| dataset | prompts | τ | tokens/s (this machine) |",
+            "|---|---|---|---|",
+        ]
+        for name, r in info["eval"].items():
+            lines.append(f"| {name} | {r['prompts']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} |")
+        lines.append("")
+    lines += [
+        "## Use",
+        "",
+        "```bash",
+        f'flashdraft generate --target {info.get("target")} --draft <this directory> --compare-ar "Hello"',
+        "```",
+        "",
+    ]
+    (out_dir / "README.md").write_text("\n".join(lines))
+
+
+def export_drafter(draft: DFlashDraftModel, out_dir: Path, meta: dict[str, Any], dtype: torch.dtype) -> None:
+    """Write the final drafter (z-lab layout) with flashdraft provenance in config.json."""
+    draft.config.flashdraft = {**(draft.config.flashdraft or {}), **meta}
+    draft.save_pretrained(out_dir, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def _init_distributed() -> tuple[int, int, str | None]:
+    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; gloo on CPU, nccl on GPUs."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1, None
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl")
+        return dist.get_rank(), world, f"cuda:{local_rank}"
+    dist.init_process_group("gloo")
+    return dist.get_rank(), world, "cpu"
+
+
+def train_command(
+    target: str,
+    data: list[Path],
+    out: Path,
+    num_layers: int = 5,
+    block_size: int = 16,
+    num_anchors: int = 512,
+    gamma: float | None = None,
+    lr: float = 6e-4,
+    warmup_ratio: float = 0.04,
+    epochs: int = 6,
+    max_steps: int | None = None,
+    batch_size: int = 1,
+    grad_accum: int = 1,
+    max_length: int = 3072,
+    seed: int = 0,
+    save_every: int = 200,
+    intermediate_size: int | None = None,
+    target_layer_ids: str | None = None,
+    mask_token_id: int | None = None,
+    init_from: Path | None = None,
+    resume: bool = False,
+    eval_datasets: str = "gsm8k,humaneval,mt-bench",
+    eval_samples: int = 20,
+    eval_max_new_tokens: int = 128,
+    export_dtype: str = "bfloat16",
+    device: str | None = None,
+    lm_head_chunk: int = 1024,
+) -> None:
+    """Train a DFlash drafter on regenerated data (`flashdraft data regenerate`), then evaluate τ and export."""
+    from torch.utils.data import ConcatDataset
+
+    from .data import TrainingData
+    from .model import _DTYPES
+    from .target import choose_mask_token_id, load_target
+
+    rank, world, dist_device = _init_distributed()
+    tgt = load_target(target, dtype=torch.float32, device=dist_device or device)
+    parts = [TrainingData(d) for d in data]
+    dataset = ConcatDataset(parts) if len(parts) > 1 else parts[0]
+    manifests = [p.manifest for p in parts]
+    for d, m in zip(data, manifests, strict=True):
+        if m.get("target") not in (None, target) and rank == 0:
+            print(f"warning: {d} was regenerated with {m['target']}, training a drafter for {target}")
+    if mask_token_id is None and init_from is None:
+        mask_token_id = choose_mask_token_id(tgt.tokenizer, tgt.vocab_size)
+    layer_ids = [int(x) for x in target_layer_ids.split(",")] if target_layer_ids else None
+    cfg = TrainConfig(
+        out_dir=str(out),
+        num_layers=num_layers,
+        block_size=block_size,
+        num_anchors=num_anchors,
+        gamma=gamma,
+        lr=lr,
+        warmup_ratio=warmup_ratio,
+        epochs=epochs,
+        max_steps=max_steps,
+        batch_size=batch_size,
+        grad_accum=grad_accum,
+        max_length=max_length,
+        seed=seed,
+        save_every=save_every,
+        intermediate_size=intermediate_size,
+        target_layer_ids=layer_ids,
+        mask_token_id=mask_token_id,
+        init_from=str(init_from) if init_from else None,
+        lm_head_chunk=lm_head_chunk,
+    )
+    trainer = Trainer(tgt, dataset, cfg)
+    if rank == 0:
+        c = trainer.draft.config
+        print(
+            f"training a {c.num_hidden_layers}-layer drafter ({trainer.draft.num_parameters() / 1e6:.1f}M params, "
+            f"taps {c.target_layer_ids}, mask {c.mask_token_id}) on {len(trainer.indices)} sequences, "
+            f"{trainer.total_steps} steps of {trainer.global_batch} sequences, {world} process(es)"
+        )
+    trainer.fit(resume=resume)
+    if world > 1:
+        dist.barrier()
+    if rank != 0:
+        dist.destroy_process_group()
+        return
+    chat = manifests[0].get("chat_template")
+    meta = {
+        "target": target,
+        "trained": True,
+        "chat_template": chat,
+        "steps": trainer.step,
+        "global_batch": trainer.global_batch,
+        "num_anchors": num_anchors,
+        "block_size_trained": block_size,
+        "gamma": trainer.gamma,
+        "data": [str(d) for d in data],
+        "data_summary": "; ".join(_data_summary(m) for m in manifests),
+        "hardware": machine_description(tgt.device) + (f" x{world}" if world > 1 else ""),
+        "wall_time_s": trainer.wall_s,
+    }
+    export_drafter(trainer.draft, out, meta, _DTYPES[export_dtype])
+    exported = DFlashDraftModel.from_pretrained(
+        out, dtype=tgt.dtype, device=tgt.device
+    )  # evaluate what ships
+    names = [n for n in eval_datasets.split(",") if n]
+    if names and eval_samples > 0:
+        thinking = (chat or {}).get("thinking") if isinstance(chat, dict) else None
+        system = (chat or {}).get("system") if isinstance(chat, dict) else None
+        meta["eval"] = evaluate_tau(
+            tgt, exported, names, eval_samples, eval_max_new_tokens, enable_thinking=thinking, system=system
+        )
+        meta["eval_max_new_tokens"] = eval_max_new_tokens
+        export_drafter(exported, out, meta, _DTYPES[export_dtype])
+        for name, r in meta["eval"].items():
+            print(f"τ {name}: {r['tau']:.2f} over {r['prompts']} prompts")
+    write_model_card(out, exported, {**meta, "global_batch": trainer.global_batch})
+    print(f"drafter written to {out}")
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def _data_summary(manifest: dict[str, Any]) -> str:
+    counts = manifest.get("counts", {})
+    sources = manifest.get("sources") or manifest.get("prompt_files") or []
+    names = ", ".join(Path(str(s.get("path", s)) if isinstance(s, dict) else str(s)).name for s in sources)
+    return f"{counts.get('sequences', '?')} sequences / {counts.get('answer_tokens', '?')} answer tokens from {names}"
