@@ -1,0 +1,107 @@
+"""Integration tests on the real SmolLM2-135M-Instruct (fetched once as an offline model pack)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = REPO / "drafters" / "smollm2-135m-instruct"
+PROMPTS = [
+    "What is 12 times 7? Answer briefly.",
+    "Write a haiku about the sea.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+]
+
+
+@pytest.fixture(scope="module")
+def target():
+    from flashdraft import load_target
+
+    return load_target("smollm2-135m-instruct")
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "flashdraft", *args], capture_output=True, text=True, timeout=600, check=False
+    )
+
+
+def test_cli_init_draft_then_generate_compare_ar(tmp_path):
+    draft_dir = tmp_path / "fresh-draft"
+    init = run_cli(
+        "init-draft", "--target", "smollm2-135m-instruct", "--out", str(draft_dir), "--num-layers", "2"
+    )
+    assert init.returncode == 0, init.stderr
+    assert json.loads((draft_dir / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+    gen = run_cli(
+        "generate",
+        "--target",
+        "smollm2-135m-instruct",
+        "--draft",
+        str(draft_dir),
+        "--compare-ar",
+        "--json",
+        "--max-new-tokens",
+        "24",
+        "Hello",
+    )
+    assert gen.returncode == 0, gen.stderr
+    report = json.loads(gen.stdout)
+    assert report["identical_to_ar"] is True and report["untrained_drafter"] is True
+    assert report["dflash"]["num_new_tokens"] == report["ar"]["num_new_tokens"] > 0
+    assert report["text"].strip()
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    bad = run_cli("generate", "--target", "smollm2-135m-instruct", "--draft", str(tmp_path / "nope"), "hi")
+    assert bad.returncode == 2 and "error:" in bad.stderr and "Traceback" not in bad.stderr
+    unknown = run_cli("models", "fetch", "no-such-model")
+    assert unknown.returncode == 2 and "smollm2-135m-instruct" in unknown.stderr
+
+
+def test_real_model_greedy_equals_hf(target):
+    from flashdraft import DFlashDraftModel, generate
+
+    draft = DFlashDraftModel.for_target(
+        target.model.config, num_layers=1, block_size=8, mask_token_id=3, seed=0
+    )
+    for prompt in PROMPTS:
+        ids = target.encode_prompt(prompt)
+        hf = target.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=48,
+            do_sample=False,
+            eos_token_id=target.eos_token_ids,
+            pad_token_id=target.eos_token_ids[0],
+            top_k=None,
+            top_p=None,
+            temperature=None,
+        )[0, ids.shape[1] :].tolist()
+        ours = generate(target, draft, ids, 48).new_tokens
+        assert ours == hf[: len(ours)] and (len(ours) == len(hf) or hf[len(ours)] in target.eos_token_ids)
+
+
+@pytest.mark.skipif(not SHIPPED.exists(), reason="no shipped drafter in this checkout")
+def test_shipped_drafter_is_lossless_and_accepts(target):
+    from flashdraft import DFlashDraftModel, generate, generate_ar
+
+    draft = DFlashDraftModel.from_pretrained(SHIPPED, dtype=target.dtype)
+    ids = target.encode_prompt(
+        PROMPTS[2] + "\nPlease reason step by step, and put your final answer within \\boxed{}."
+    )
+    spec = generate(target, draft, ids, 96)
+    plain = generate_ar(target, ids, 96)
+    assert spec.new_tokens == plain.new_tokens
+    assert spec.mean_acceptance_length > 1.3  # a random drafter stays at ≈1.0
+    sampled = generate(target, draft, ids, 32, temperature=0.8, top_p=0.95, seed=0)
+    assert sampled.num_new_tokens > 0
