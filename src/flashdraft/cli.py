@@ -279,4 +279,49 @@ def generate_command(
         )
 
 
+@app.command("train")
+def train(
+    target: Annotated[str, typer.Option(help="target: pack name, local path or hub id")],
+    data: Annotated[list[Path], typer.Option(help="data dir from `flashdraft data regenerate` (repeatable)")],
+    out: Annotated[Path, typer.Option(help="output directory (checkpoints, log, final drafter)")],
+    num_layers: Annotated[int, typer.Option(help="draft layers")] = 5,
+    block_size: Annotated[int, typer.Option(help="block size B")] = 16,
+    num_anchors: Annotated[
+        int, typer.Option(help="anchors (blocks) per sequence, re-sampled every epoch")
+    ] = 512,
+    gamma: Annotated[float | None, typer.Option(help="loss decay (default 7/5/4 for B=16/10/8)")] = None,
+    lr: Annotated[float, typer.Option()] = 6e-4,
+    warmup_ratio: Annotated[float, typer.Option()] = 0.04,
+    epochs: Annotated[int, typer.Option()] = 6,
+    max_steps: Annotated[int | None, typer.Option(help="stop after this many optimizer steps")] = None,
+    batch_size: Annotated[int, typer.Option(help="sequences per micro-batch per process")] = 1,
+    grad_accum: Annotated[int, typer.Option(help="micro-batches per optimizer step")] = 1,
+    max_length: Annotated[int, typer.Option(help="truncate sequences to this many tokens")] = 3072,
+    seed: Annotated[int, typer.Option()] = 0,
+    save_every: Annotated[int, typer.Option(help="checkpoint every N steps (atomic)")] = 200,
+    intermediate_size: Annotated[int | None, typer.Option(help="draft MLP width (default: target's)")] = None,
+    target_layer_ids: Annotated[str | None, typer.Option(help="comma-separated target layers to tap")] = None,
+    mask_token_id: Annotated[int | None, typer.Option(help="default: chosen from the tokenizer")] = None,
+    init_from: Annotated[Path | None, typer.Option(help="start from this drafter")] = None,
+    resume: Annotated[bool, typer.Option(help="continue from OUT/checkpoints/last.pt")] = False,
+    eval_datasets: Annotated[str, typer.Option(help="held-out τ evaluation at the end ('' to skip)")] = (
+        "gsm8k,humaneval,mt-bench"
+    ),
+    eval_samples: Annotated[int, typer.Option(help="prompts per evaluation dataset")] = 20,
+    eval_max_new_tokens: Annotated[int, typer.Option()] = 128,
+    export_dtype: Annotated[str, typer.Option(help="bfloat16 (z-lab) | float32")] = "bfloat16",
+    device: Annotated[str | None, typer.Option(help="cpu | cuda (torchrun picks per rank)")] = None,
+) -> None:
+    """Train a DFlash drafter (paper recipe); `torchrun --nproc-per-node N -m flashdraft train ...` for DDP."""
+    from .train import train_command
+
+    train_command(**{k: v for k, v in locals().items() if k != "train_command"})
+
+
 # --- sub-commands from other modules
+from .data import data_app  # noqa: E402
+
+app.add_typer(data_app, name="data")
+from .bench import bench_command  # noqa: E402
+
+app.command("bench")(bench_command)
