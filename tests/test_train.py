@@ -202,7 +202,7 @@ def mean_tau(target, draft, n_prompts: int = 8, seed: int = 123) -> float:
 def test_short_cpu_training_raises_tau_above_3(tmp_path):
     from flashdraft.train import Trainer
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     model = bigram_target()
     target = Target(model)
     trainer = Trainer(target, greedy_dataset(model, 60, new=32), small_train_config(tmp_path))
