@@ -24,7 +24,6 @@ from flashdraft.bench import (
     ServerBenchConfig,
     acceptance_histogram,
     add_speedups,
-    bench_app,
     first_difference,
     mean_acceptance_length,
     parse_prometheus,
@@ -338,7 +337,9 @@ def test_mismatch_is_counted_and_shown(tiny, tmp_path, monkeypatch):
 def test_bad_input_is_one_line_error(args, message, tmp_path):
     from typer.testing import CliRunner
 
-    result = CliRunner().invoke(bench_app, [*args, "--max-samples", "1", "--out", str(tmp_path)])
+    from flashdraft.cli import app
+
+    result = CliRunner().invoke(app, ["bench", *args, "--max-samples", "1", "--out", str(tmp_path)])
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
     assert message in " ".join(result.output.split()), result.output

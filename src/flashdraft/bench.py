@@ -58,7 +58,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from .datasets import BenchDataset, DatasetError, load_bench_dataset
+from .datasets import BenchDataset, load_bench_dataset
 
 __all__ = [
     "METHODS",
@@ -67,7 +67,6 @@ __all__ = [
     "SampleRecord",
     "ServerBenchConfig",
     "acceptance_histogram",
-    "bench_app",
     "bench_command",
     "mean_acceptance_length",
     "parse_prometheus",
@@ -1820,29 +1819,6 @@ def print_summary(results: dict[str, Any]) -> None:
 # =============================================================================================== CLI
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from .config import DFlashConfigError
-    from .generate import GenerationError
-    from .model import DFlashCheckpointError
-    from .packs import PackError
-    from .prompts import PromptFormatError
-    from .sampling import SamplingError
-    from .target import TargetError
-
-    return (
-        BenchError,
-        DatasetError,
-        DFlashConfigError,
-        DFlashCheckpointError,
-        GenerationError,
-        PackError,
-        PromptFormatError,
-        SamplingError,
-        TargetError,
-        FileNotFoundError,
-    )
-
-
 def _redacted_command(argv: Sequence[str]) -> str:
     """The command line as typed, for the report, without the API key."""
     args = list(argv)
@@ -1921,6 +1897,8 @@ def bench_command(
     ] = None,
 ) -> None:
     """Measure acceptance length τ and speedup of ar / hf / dflash / sd / pld side by side, or benchmark a server."""
+    from .cli import user_errors
+
     command = _redacted_command(sys.argv[1:])
     try:
         datasets = split_datasets(dataset)
@@ -1956,14 +1934,7 @@ def bench_command(
             results = run_server_bench(scfg)
         else:
             raise BenchError(f"--backend must be local or openai, got {backend!r}")
-    except _user_errors() as e:
+    except user_errors() as e:
         console.print(f"[bold red]error:[/] {e}", soft_wrap=True)
         raise typer.Exit(2) from None
     print_summary(results)
-
-
-bench_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-bench_app.command("bench")(bench_command)
-
-if __name__ == "__main__":
-    bench_app()

@@ -27,9 +27,12 @@ models_app = typer.Typer(
 app.add_typer(models_app, name="models")
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
+def user_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean bad input: shown as one line, never as a traceback."""
+    from .bench import BenchError
     from .config import DFlashConfigError
+    from .data import DataError
+    from .datasets import DatasetError
     from .generate import GenerationError
     from .model import DFlashCheckpointError
     from .packs import PackError
@@ -38,6 +41,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from .target import TargetError
 
     return (
+        BenchError,
+        DataError,
+        DatasetError,
         DFlashConfigError,
         DFlashCheckpointError,
         GenerationError,
@@ -52,7 +58,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def main() -> None:
     try:
         app()
-    except _user_errors() as e:
+    except user_errors() as e:
         console.print(f"[bold red]error:[/] {e}")
         sys.exit(2)
     except KeyboardInterrupt:
