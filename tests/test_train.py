@@ -277,3 +277,30 @@ def test_ddp_two_processes_match_one_process_with_same_global_batch(tmp_path):
     ddp_state = torch.load(result)
     for name, p in single.draft.state_dict().items():
         torch.testing.assert_close(ddp_state[name], p, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("layer_types", [["full_attention"], ["sliding_attention"]])
+def test_flex_block_mask_matches_dense_mask(layer_types):
+    """The FlexAttention path (used for training on CUDA) computes what the dense boolean mask computes."""
+    import warnings
+
+    from flashdraft.config import DFlashConfig
+
+    cfg = DFlashConfig(
+        hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, vocab_size=10, num_target_layers=4, target_layer_ids=[1, 2], mask_token_id=9, block_size=4,
+        layer_types=layer_types, sliding_window=3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    draft = DFlashDraftModel(cfg).eval()
+    features = torch.randn(1, 20, 64)
+    anchors = torch.tensor([3, 7, 8, 15])
+    positions = (anchors[:, None] + torch.arange(4)).flatten()[None]
+    block = torch.randn(1, 16, 32)
+    with torch.no_grad():
+        dense = draft(block, positions, features, torch.arange(20)[None], num_blocks=4)
+        draft.attention_backend = "flex"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # eager flex on CPU warns that it is the slow reference path
+            flex = draft(block, positions, features, torch.arange(20)[None], num_blocks=4)
+    torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-5)

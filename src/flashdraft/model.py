@@ -122,12 +122,30 @@ class DFlashAttention(nn.Module):
         block_k, block_v = self.project_kv(x, cos, sin)
         k = torch.cat([context_k, block_k], dim=2)
         v = torch.cat([context_v, block_v], dim=2)
+        if mask is not None and not isinstance(
+            mask, torch.Tensor
+        ):  # a FlexAttention BlockMask (training on GPU)
+            out = _flex_attention()(q, k, v, block_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+            return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
         groups = self.num_heads // self.num_kv_heads
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+_FLEX = None
+
+
+def _flex_attention():
+    """flex_attention, compiled once on CUDA (eager elsewhere: a slow reference path, used by tests)."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention, dynamic=True) if torch.cuda.is_available() else flex_attention
+    return _FLEX
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -176,6 +194,8 @@ class DFlashDraftModel(nn.Module):
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
+        # Multi-block (training) attention: "auto" = FlexAttention block mask on CUDA, dense boolean mask elsewhere.
+        self.attention_backend = "auto"
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -265,8 +285,9 @@ class DFlashDraftModel(nn.Module):
 
     def _attention_masks(
         self, block_positions: torch.Tensor, context_positions: torch.Tensor, num_blocks: int
-    ) -> dict[str, torch.Tensor | None]:
-        """Boolean [b, 1, q, c+q] masks (True = attend) per layer type; None where everything is visible.
+    ) -> dict[str, Any]:
+        """Boolean [b, 1, q, c+q] masks (True = attend) per layer type, FlexAttention BlockMasks when that backend is
+        on, or None where everything is visible.
 
         A query of block j sees context positions < anchor_j and its own block; `sliding_attention` layers (or a
         causal config) are causal inside the block and only see keys within `sliding_window` positions.
@@ -282,6 +303,14 @@ class DFlashDraftModel(nn.Module):
         q_block = torch.arange(q_len, device=device) // blk  # [q]
         anchors = block_positions.view(b, num_blocks, blk)[:, :, 0]  # [b, nb]
         q_anchor = anchors[:, q_block]  # [b, q]
+        use_flex = self.attention_backend == "flex" or (
+            self.attention_backend == "auto" and device.type == "cuda" and num_blocks > 1
+        )
+        if use_flex and context_positions.shape[1] > 0:
+            return {
+                t: self._flex_block_mask(t, block_positions, context_positions, q_block, q_anchor)
+                for t in set(self.config.layer_types)
+            }
         ctx_visible = context_positions[:, None, :] < q_anchor[:, :, None]  # [b, q, c]
         own_block = (q_block[:, None] == q_block[None, :]).expand(b, q_len, q_len)  # [b, q, q]
         causal = block_positions[:, None, :] <= block_positions[:, :, None]  # key pos <= query pos
@@ -296,6 +325,33 @@ class DFlashDraftModel(nn.Module):
                 blk_vis = blk_vis & (block_positions[:, None, :] > block_positions[:, :, None] - w)
             masks[layer_type] = torch.cat([ctx, blk_vis], dim=-1)[:, None]
         return masks
+
+    def _flex_block_mask(self, layer_type, block_positions, context_positions, q_block, q_anchor):
+        """The same rule as the dense mask, as a FlexAttention BlockMask: the [q, c+q] matrix is never built,
+        and tiles that are fully masked (other blocks) are skipped — what makes 512 anchors per sequence cheap."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        b, q_len = block_positions.shape
+        c_len = context_positions.shape[1]
+        causal = layer_type == SLIDING_ATTENTION or self.config.causal
+        window = self.config.sliding_window if layer_type == SLIDING_ATTENTION else None
+
+        def mask_mod(bi, _h, qi, ki):
+            is_ctx = ki < c_len
+            ctx_pos = context_positions[bi, ki.clamp(max=c_len - 1)]
+            kb = (ki - c_len).clamp(min=0)
+            key_pos = torch.where(is_ctx, ctx_pos, block_positions[bi, kb])
+            q_pos = block_positions[bi, qi]
+            visible = torch.where(is_ctx, ctx_pos < q_anchor[bi, qi], q_block[qi] == q_block[kb])
+            if causal:
+                visible = visible & (is_ctx | (key_pos <= q_pos))
+            if window is not None:
+                visible = visible & (key_pos > q_pos - window)
+            return visible
+
+        return create_block_mask(
+            mask_mod, B=b, H=None, Q_LEN=q_len, KV_LEN=c_len + q_len, device=block_positions.device
+        )
 
     # ------------------------------------------------------------------ construction and checkpoints
     @classmethod
