@@ -36,8 +36,14 @@ lint: venv
 demo: venv
 	$(BIN)/flashdraft models fetch smollm2-135m-instruct
 	$(BIN)/flashdraft generate --target smollm2-135m-instruct --draft $(DEMO_DRAFT) --compare-ar \
-		--max-new-tokens 128 "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
+		--max-new-tokens 160 "$$DEMO_PROMPT"
 
+# A held-out GSM8K test question (the drafter was trained on GSM8K train), in the benchmark's prompt format.
+define DEMO_PROMPT
+Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for her friends every day with four. She sells the remainder at the farmers' market daily for $$2 per fresh duck egg. How much in dollars does she make every day at the farmers' market?
+Please reason step by step, and put your final answer within \boxed{}.
+endef
+export DEMO_PROMPT
 DEMO_DRAFT ?= drafters/smollm2-135m-instruct
 
 clean:
