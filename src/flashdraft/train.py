@@ -422,7 +422,8 @@ class Trainer:
                     progress.update(
                         task,
                         completed=self.step,
-                        description=f"loss {stats['loss']:.3f} acc {stats['acc']:.3f} lr {stats['lr']:.2e}",
+                        description=f"loss {stats['loss']:.3f} acc {stats['acc']:.3f} lr {stats['lr']:.2e} "
+                        f"{stats['tokens_per_s']:.0f} tok/s",
                     )
                     if self.step % self.cfg.log_every == 0 and not self.cfg.progress:
                         print(
