@@ -543,6 +543,14 @@ def write_model_card(out_dir: Path, draft: DFlashDraftModel, info: dict[str, Any
         f"{info.get('num_anchors')} anchors per sequence |",
         f"| hardware | {info.get('hardware')} |",
         f"| training wall time | {info.get('wall_time_s', 0) / 60:.1f} min |",
+    ]
+    prev = info.get("init_from")
+    if prev:
+        lines += [
+            f"| initialised from | `{prev.get('path')}`: {prev.get('steps')} steps × {prev.get('global_batch')} "
+            f"sequences on {prev.get('data_summary')}, {(prev.get('wall_time_s') or 0) / 60:.1f} min |",
+        ]
+    lines += [
         "",
         "**Serve it in the same chat-template mode it was trained in** (system prompt and thinking flag above): a "
         "mismatch between training and serving mode collapses acceptance.",
@@ -690,6 +698,14 @@ def train_command(
         "hardware": machine_description(tgt.device) + (f" x{world}" if world > 1 else ""),
         "wall_time_s": trainer.wall_s,
     }
+    if init_from is not None:
+        from .model import read_model_card_meta
+
+        prev = read_model_card_meta(init_from)
+        meta["init_from"] = {
+            "path": str(init_from),
+            **{k: prev.get(k) for k in ("steps", "global_batch", "data_summary", "wall_time_s", "hardware")},
+        }
     export_drafter(trainer.draft, out, meta, _DTYPES[export_dtype])
     exported = DFlashDraftModel.from_pretrained(
         out, dtype=tgt.dtype, device=tgt.device
