@@ -304,3 +304,44 @@ def test_flex_block_mask_matches_dense_mask(layer_types):
             warnings.simplefilter("ignore")  # eager flex on CPU warns that it is the slow reference path
             flex = draft(block, positions, features, torch.arange(20)[None], num_blocks=4)
     torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-5)
+
+
+def test_cli_regenerate_train_evaluate_export(tmp_path):
+    """`flashdraft data regenerate` -> `flashdraft train` (-> τ on held-out prompts) -> a z-lab drafter + card."""
+    import json as _json
+
+    from typer.testing import CliRunner
+
+    from flashdraft import DFlashConfig
+    from flashdraft.cli import app
+    from test_data import make_tokenizer
+
+    model_dir = tmp_path / "tiny-target"
+    tiny_model("llama", seed=3, layers=4).save_pretrained(model_dir)
+    make_tokenizer().save_pretrained(model_dir)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(_json.dumps({"question": f"w{i} w{i + 1} w{i + 2}"}) + "\n" for i in range(3, 15))
+    )
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(_json.dumps({"turns": [f"w{i} w{i + 3}"]}) + "\n" for i in range(20, 23)))
+    runner = CliRunner()
+    data_dir, out = tmp_path / "data", tmp_path / "drafter"
+    r = runner.invoke(app, ["data", "regenerate", "--target", str(model_dir), "--prompts", str(prompts),
+                            "--out", str(data_dir), "--max-new-tokens", "12"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    args = ["train", "--target", str(model_dir), "--data", str(data_dir), "--out", str(out), "--num-layers", "1",
+            "--block-size", "4", "--num-anchors", "4", "--epochs", "1", "--batch-size", "2", "--save-every", "2",
+            "--eval-datasets", str(held_out), "--eval-samples", "2", "--eval-max-new-tokens", "8"]  # fmt: skip
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    config = DFlashConfig.from_pretrained(out)  # z-lab format, loads back
+    assert config.block_size == 4 and config.flashdraft["trained"] is True
+    held = config.flashdraft["eval"]["held_out"]
+    assert held["prompts"] <= 2 and (held["prompts"] == 0 or held["tau"] >= 1.0)
+    card = (out / "README.md").read_text()
+    assert "| held_out |" in card and "chat template mode" in card and "× 2 sequences, 4 anchors" in card
+    assert (out / "checkpoints" / "last.pt").exists() and (out / "train_log.jsonl").exists()
+    # a resumed run that is already complete does no more steps and exports again
+    r = runner.invoke(app, [*args, "--resume", "--eval-datasets", ""])
+    assert r.exit_code == 0 and "resumed" in r.output, r.output

@@ -503,11 +503,12 @@ def evaluate_tau(
         for conv in iterator:
             ids = target.encode_prompt(conv.user_turns[0], enable_thinking=enable_thinking, system=system)
             res = generate(target, draft, ids, max_new_tokens, block_size=block_size)
-            taus.append(res.mean_acceptance_length)
+            if res.num_steps:  # an answer that ends on its first token has no verify step, hence no τ
+                taus.append(res.mean_acceptance_length)
             tokens += res.num_new_tokens
             seconds += res.total_s
         results[bench.name] = {
-            "tau": sum(taus) / len(taus),
+            "tau": sum(taus) / len(taus) if taus else float("nan"),
             "prompts": len(taus),
             "tokens": tokens,
             "tokens_per_s": tokens / seconds if seconds else 0.0,
