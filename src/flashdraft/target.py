@@ -145,11 +145,14 @@ class Target:
         try:
             cache = DynamicCache(config=self.model.config)
         except TypeError:  # transformers < 4.56
-            cache = DynamicCache()
+            return DynamicCache()
         if hasattr(cache, "activate_past_recording"):
-            # Sliding-window layers must keep their past to be rolled back after a rejected block.
+            # transformers 5.x: sliding-window layers keep their past so a rejected block can be rolled back.
             cache.activate_past_recording()
-        return cache
+            return cache
+        # transformers 4.x: sliding-window cache layers cannot be rolled back once past their window. A full cache
+        # can, and stays correct: the model applies its window through the attention mask.
+        return DynamicCache()
 
     @contextmanager
     def _taps(self, tap_layer_ids: Sequence[int]):
