@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN        := $(VENV)/bin
 STAMP      := $(VENV)/.flashdraft-installed
 
-.PHONY: venv test test-slow test-all lint demo clean
+.PHONY: venv test test-slow test-all test-compat lint demo clean
 
 venv: $(STAMP)
 
@@ -24,6 +24,16 @@ test: venv
 # Integration tests on a real model (SmolLM2-135M, fetched once into FLASHDRAFT_HOME).
 test-slow: venv
 	$(BIN)/python -m pytest -q -m slow
+
+# The core suite against the oldest supported transformers (4.57: other DynamicCache.crop / sliding-cache rules).
+COMPAT_VENV ?= .venv-compat
+test-compat:
+	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install -q --upgrade pip
+	$(COMPAT_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)" "transformers==4.57.1"
+	$(COMPAT_VENV)/bin/python -m pip install -q -e ".[test]"
+	$(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_model.py tests/test_generate.py \
+		tests/test_train.py -k "not ddp and not short_cpu"
 
 test-all: venv
 	$(BIN)/python -m pytest -q
@@ -47,4 +57,4 @@ export DEMO_PROMPT
 DEMO_DRAFT ?= drafters/smollm2-135m-instruct
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(COMPAT_VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
