@@ -48,17 +48,11 @@ from typing import Annotated, Any
 import torch
 import typer
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+from rich.progress import Progress
 from rich.table import Table
 
 from .datasets import BenchDataset, load_bench_dataset
+from .progress import progress_bar
 
 __all__ = [
     "METHODS",
@@ -624,16 +618,7 @@ class LocalMethods:
 
 
 def _progress(enabled: bool) -> Progress:
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("prompts"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        disable=not enabled,
-    )
+    return progress_bar(enabled, unit="prompts", console=console)
 
 
 def _default_out_dir(datasets: Sequence[str]) -> Path:

@@ -204,22 +204,9 @@ class _Reporter:
         self.label = label
         self.progress = None
         if enabled:
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-                TimeRemainingColumn,
-            )
+            from .progress import progress_bar
 
-            self.progress = Progress(
-                TextColumn("[progress.description]{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                TimeRemainingColumn(),
-            )
+            self.progress = progress_bar()
             self.task = self.progress.add_task(label, total=total, completed=completed)
 
     def __enter__(self) -> _Reporter:

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .model import DFlashDraftModel
+from .progress import progress_bar
 from .target import Target
 
 # ---------------------------------------------------------------------------------------------- recipe pieces
@@ -410,7 +411,7 @@ class Trainer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         history: list[dict[str, Any]] = []
         end = self.total_steps if stop_after is None else min(self.total_steps, self.step + stop_after)
-        progress = _progress(self.cfg.progress and self.rank == 0)
+        progress = progress_bar(self.cfg.progress and self.rank == 0)
         with progress:
             task = progress.add_task("training", total=self.total_steps, completed=self.step)
             while self.step < end:
@@ -437,26 +438,6 @@ class Trainer:
 def _has_anchor(loss_mask: torch.Tensor) -> bool:
     mask = loss_mask.bool()
     return bool((mask[:-1] & mask[1:]).any())
-
-
-def _progress(enabled: bool):
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        disable=not enabled,
-    )
 
 
 def machine_description(device: torch.device) -> str:
