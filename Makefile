@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[test,serve,bench]"
+	$(BIN)/python -m pip install -q -e ".[test,serve]"
 	touch $(STAMP)
 
 # Default suite: tiny random models only, a few minutes on 2 cores.
