@@ -247,7 +247,7 @@ def generate_command(
         out.print_json(json.dumps(report))
         return
     table = Table(show_header=True, title="generation")
-    for col in ("", "tokens", "τ (tokens/step)", "tokens/s", "decode tok/s", "prefill s", "total s"):
+    for col in ("", "tokens", "τ", "tokens/s", "decode tok/s", "prefill s", "total s"):
         table.add_column(col)
     table.add_row(
         "dflash",
@@ -269,6 +269,7 @@ def generate_command(
             f"{ar.total_s:.2f}",
         )
     console.print(table)
+    console.print("τ = tokens per target forward (accepted drafts + 1); plain decoding is 1.")
     if ar is not None:
         line = f"speedup over plain decoding (same run): {report['speedup']:.2f}x"
         if temperature == 0:
