@@ -1495,6 +1495,13 @@ def _pyplot() -> Any | None:
     return plt
 
 
+def _save_figure(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return path
+
+
 def _plot_local(results: dict[str, Any], out_dir: Path) -> list[Path]:
     plt = _pyplot()
     if plt is None:
@@ -1527,11 +1534,7 @@ def _plot_local(results: dict[str, Any], out_dir: Path) -> list[Path]:
             ax.set_xlabel("tokens emitted per target forward")
             ax.set_ylabel("share of steps")
             ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out_dir / "tau_histogram.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save_figure(fig, out_dir / "tau_histogram.png"))
 
     # Per-slot acceptance of the DFlash drafter: conditional (solid) and vLLM-style unconditional (dashed).
     if any(summary[d].get("dflash", {}).get("slot_acceptance") for d in datasets):
@@ -1554,11 +1557,7 @@ def _plot_local(results: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.set_ylabel("acceptance rate")
         ax.set_ylim(0, 1.05)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out_dir / "slot_acceptance.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save_figure(fig, out_dir / "slot_acceptance.png"))
 
     # Speedup bars per dataset and method, vs ar and vs hf.
     groups = list(summary)
@@ -1578,11 +1577,7 @@ def _plot_local(results: dict[str, Any], out_dir: Path) -> list[Path]:
             ax.set_ylabel(f"decode speedup vs {baseline} (TPOT ratio)")
             ax.set_title(f"speedup over {baseline}")
             ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out_dir / "speedup.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save_figure(fig, out_dir / "speedup.png"))
     return written
 
 
@@ -1672,11 +1667,7 @@ def write_server_results(results: dict[str, Any], out_dir: Path, plots: bool = T
         ax.set_ylabel("output tokens/s")
         ax.set_title(f"{results['settings']['model']}: throughput")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out_dir / "server_throughput.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save_figure(fig, out_dir / "server_throughput.png"))
     return written
 
 

@@ -173,14 +173,6 @@ class DraftContextCache:
     def __len__(self) -> int:
         return 0 if self.positions is None else self.positions.shape[1]
 
-    def crop(self, length: int) -> None:
-        """Keep the first `length` context entries (e.g. to reuse a shared prompt prefix)."""
-        if self.positions is None:
-            return
-        self.positions = self.positions[:, :length]
-        self.keys = [k[:, :, :length] for k in self.keys]
-        self.values = [v[:, :, :length] for v in self.values]
-
 
 class DFlashDraftModel(nn.Module):
     """z-lab compatible DFlash drafter. Weights: `layers.N.*`, `fc`, `hidden_norm`, `norm` (no embedding/head)."""
