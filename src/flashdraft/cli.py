@@ -318,6 +318,17 @@ def train(
     eval_max_new_tokens: Annotated[int, typer.Option()] = 128,
     export_dtype: Annotated[str, typer.Option(help="bfloat16 (z-lab) | float32")] = "bfloat16",
     device: Annotated[str | None, typer.Option(help="cpu | cuda (torchrun picks per rank)")] = None,
+    target_dtype: Annotated[
+        str | None, typer.Option(help="float32|bfloat16|float16 for the frozen target (default: bf16 on GPU, fp32 on CPU)")
+    ] = None,
+    bf16: Annotated[
+        bool | None,
+        typer.Option(
+            "--bf16/--fp32",
+            help="bf16 autocast for the drafter (default: on GPU only). On CPUs with AMX, --bf16 with "
+            "--target-dtype bfloat16 trains about 2x faster.",
+        ),
+    ] = None,
 ) -> None:
     """Train a DFlash drafter (paper recipe); `torchrun --nproc-per-node N -m flashdraft train ...` for DDP."""
     from .train import train_command

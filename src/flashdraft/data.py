@@ -799,8 +799,8 @@ def compute_features(
 ) -> dict[str, Any]:
     """Cache the target's tapped-layer outputs ([S, len(layer_ids) * H] per sequence) for offline training.
 
-    Each stored sequence runs through the frozen target with a fresh cache (`Target.forward(ids, cache,
-    tap_layer_ids=layer_ids)`); features go to safetensors shards of about `shard_mb` MB in `dtype`. Resumable;
+    Each stored sequence runs through the frozen target up to its deepest tap (`Target.features(ids,
+    layer_ids)`); features go to safetensors shards of about `shard_mb` MB in `dtype`. Resumable;
     refuses an `out_dir` whose features were made with other layers, dtype, target or data.
     """
     if isinstance(dtype, str):
@@ -925,7 +925,7 @@ def compute_features(
     ) as rep:
         for row in todo:
             ids = data[row]["input_ids"].unsqueeze(0).to(target.device)
-            feats = target.forward(ids, target.new_cache(), tap_layer_ids=layer_ids).features
+            feats = target.features(ids, layer_ids)
             buf.append(feats[0].to(dtype).cpu())
             buf_ids.append(data.ids[row])
             buf_tokens += lengths[row]

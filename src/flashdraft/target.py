@@ -56,6 +56,10 @@ def _find_final_norm(model: nn.Module) -> nn.Module | None:
     return None
 
 
+class _StopForward(Exception):
+    """Raised by a hook to end a target forward early once every tapped layer has run."""
+
+
 class Target:
     """A frozen target model: `embed`, `lm_head_logits`, `forward` with layer taps, and cache rollback."""
 
@@ -209,6 +213,33 @@ class Target:
         if last_logits_only:
             logits = logits[:, -1:]
         return TargetOutput(logits=logits.float(), features=features)
+
+    @torch.no_grad()
+    def features(self, input_ids: torch.Tensor, tap_layer_ids: Sequence[int]) -> torch.Tensor:
+        """The tapped features alone (training): the forward stops after the deepest tapped layer, so the layers
+        above it, the final norm and the LM head are never run."""
+        deepest = max(tap_layer_ids)
+
+        def stop(_module, _args, _output):
+            raise _StopForward
+
+        with self._taps(tap_layer_ids) as captured:
+            handle = self.layers[deepest].register_forward_hook(stop)  # after the taps: hooks run in order
+            try:
+                self.model(input_ids=input_ids, use_cache=False)
+            except _StopForward:
+                pass
+            finally:
+                handle.remove()
+        feats = []
+        for i in tap_layer_ids:
+            h = captured[i]
+            if i == self.num_layers - 1:
+                if self._final_norm is None:
+                    raise TargetError("cannot tap the last layer: the final norm of this model was not found")
+                h = self._final_norm(h)
+            feats.append(h)
+        return torch.cat(feats, dim=-1)
 
     @staticmethod
     def cache_length(cache: Any) -> int:

@@ -122,16 +122,70 @@ def draft_hidden_for_blocks(
     return hidden[0]
 
 
+class _FrozenHeadCrossEntropy(torch.autograd.Function):
+    """sum_i w_i * CE(softcap(h_i W^T + b), y_i) for a frozen LM head, row chunk by row chunk.
+
+    The head is frozen, so the only gradient is d/dh = w * (softmax - onehot) * softcap' @ W. Computing it in the
+    forward, while each [chunk, V] logit block is still in cache-sized memory, replaces log_softmax, its backward and
+    the zero-filled logit gradient (the elementwise passes over V that dominated a CPU step) with in-place ops, and
+    never keeps more than one logit chunk alive (the memory bound the chunked LM head exists for).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, weights, chunk_size, softcap):  # type: ignore[override]
+        n = hidden.shape[0]
+        need_grad = ctx.needs_input_grad[0]
+        grad_hidden = torch.empty(hidden.shape if need_grad else (0,), dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        correct = torch.empty(n, dtype=torch.bool, device=hidden.device)
+        for s in range(0, n, chunk_size):
+            e = min(n, s + chunk_size)
+            y, w = labels[s:e], weights[s:e].float()
+            logits = F.linear(hidden[s:e].to(weight.dtype), weight, bias).float()
+            if softcap:
+                capped = torch.tanh(logits.div_(softcap))
+                dcap = 1.0 - capped * capped  # d softcap(z) / dz
+                logits = capped.mul_(softcap)
+            row_max, argmax = logits.max(dim=-1)
+            correct[s:e] = argmax == y
+            label_logit = logits.gather(1, y[:, None])[:, 0]
+            probs = logits.sub_(row_max[:, None]).exp_()  # in place: logits are not needed any more
+            denom = probs.sum(-1)
+            total += ((denom.log() + row_max - label_logit) * w).sum()
+            if not need_grad:
+                continue
+            grad = probs.div_(denom[:, None])
+            grad[torch.arange(e - s, device=grad.device), y] -= 1.0
+            grad.mul_(w[:, None])
+            if softcap:
+                grad.mul_(dcap)
+            grad_hidden[s:e] = (grad.to(weight.dtype) @ weight).float()
+        ctx.save_for_backward(grad_hidden)
+        ctx.hidden_dtype = hidden.dtype
+        ctx.mark_non_differentiable(correct)
+        return total, correct
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_correct):  # type: ignore[override]
+        (grad_hidden,) = ctx.saved_tensors
+        return (grad_hidden * grad_total).to(ctx.hidden_dtype), None, None, None, None, None, None
+
+
 def weighted_block_loss(
     target: Target, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, chunk_size: int = 1024
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """sum_i w_i * CE(lm_head(hidden_i), label_i) over rows with w_i > 0, and per-row correctness.
+    """sum_i w_i * CE(lm_head(hidden_i), label_i) over rows with w_i > 0, and per-row correctness (argmax == label).
 
-    On GPUs the LM head runs in checkpointed chunks so that [rows, V] logits never exist all at once (V is large);
-    on CPUs memory is plentiful and recomputing would cost a whole extra LM-head pass, so chunks are kept.
+    The LM head is applied in chunks of `chunk_size` rows so that [rows, V] logits never exist all at once.
     """
     keep = weights > 0
     hidden, labels, weights = hidden[keep], labels[keep].to(hidden.device), weights[keep].to(hidden.device)
+    head = target.lm_head
+    if isinstance(head, torch.nn.Linear):
+        return _FrozenHeadCrossEntropy.apply(
+            hidden, head.weight, head.bias, labels, weights, chunk_size, target._softcap
+        )
+    # An unusual head module: let autograd differentiate it, checkpointing chunks on GPUs to bound memory.
 
     def chunk_loss(h: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = target.lm_head_logits(h)
@@ -291,8 +345,7 @@ class Trainer:
         ids = item["input_ids"][: self.cfg.max_length].to(self.device)
         if "features" in item:
             return item["features"][: self.cfg.max_length].to(self.device, torch.float32)
-        out = self.target.forward(ids[None], None, self.draft.config.target_layer_ids, last_logits_only=True)
-        return out.features[0].float()
+        return self.target.features(ids[None], self.draft.config.target_layer_ids)[0].float()
 
     def _blocks(self, index: int, epoch: int) -> tuple[dict[str, torch.Tensor], Blocks, int]:
         item = self.dataset[index]
@@ -333,7 +386,7 @@ class Trainer:
                     with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16):
                         hidden = draft_hidden_for_blocks(self.model, self.target, features, blocks, n)
                     part, correct = weighted_block_loss(
-                        self.target, hidden.float(), blocks.labels, blocks.weights, self.cfg.lm_head_chunk
+                        self.target, hidden, blocks.labels, blocks.weights, self.cfg.lm_head_chunk
                     )
                     loss = loss + part
                     slots = (torch.arange(blocks.weights.numel()) % self.block_size)[blocks.weights > 0]
@@ -526,12 +579,15 @@ def write_model_card(out_dir: Path, draft: DFlashDraftModel, info: dict[str, Any
         f"| hardware | {info.get('hardware')} |",
         f"| training wall time | {info.get('wall_time_s', 0) / 60:.1f} min |",
     ]
+    if info.get("precision"):
+        lines.insert(-1, f"| precision | {info['precision']} |")
     prev = info.get("init_from")
-    if prev:
+    while isinstance(prev, dict):  # the whole chain of earlier stages, newest first
         lines += [
             f"| initialised from | `{prev.get('path')}`: {prev.get('steps')} steps × {prev.get('global_batch')} "
             f"sequences on {prev.get('data_summary')}, {(prev.get('wall_time_s') or 0) / 60:.1f} min |",
         ]
+        prev = prev.get("init_from")
     lines += [
         "",
         "**Serve it in the same chat-template mode it was trained in** (system prompt and thinking flag above): a "
@@ -611,6 +667,8 @@ def train_command(
     export_dtype: str = "bfloat16",
     device: str | None = None,
     lm_head_chunk: int = 1024,
+    target_dtype: str | None = None,
+    bf16: bool | None = None,
 ) -> None:
     """Train a DFlash drafter on regenerated data (`flashdraft data regenerate`), then evaluate τ and export."""
     from torch.utils.data import ConcatDataset
@@ -620,7 +678,9 @@ def train_command(
     from .target import choose_mask_token_id, load_target
 
     rank, world, dist_device = _init_distributed()
-    tgt = load_target(target, dtype=torch.float32, device=dist_device or device)
+    if target_dtype is not None and target_dtype not in _DTYPES:
+        raise ValueError(f"--target-dtype must be one of {', '.join(_DTYPES)}, not {target_dtype!r}")
+    tgt = load_target(target, dtype=target_dtype, device=dist_device or device)
     parts = [TrainingData(d) for d in data]
     dataset = ConcatDataset(parts) if len(parts) > 1 else parts[0]
     manifests = [p.manifest for p in parts]
@@ -650,6 +710,7 @@ def train_command(
         mask_token_id=mask_token_id,
         init_from=str(init_from) if init_from else None,
         lm_head_chunk=lm_head_chunk,
+        bf16=bf16,
     )
     trainer = Trainer(tgt, dataset, cfg)
     if rank == 0:
@@ -678,6 +739,8 @@ def train_command(
         "data": [str(d) for d in data],
         "data_summary": "; ".join(_data_summary(m) for m in manifests),
         "hardware": machine_description(tgt.device) + (f" x{world}" if world > 1 else ""),
+        "precision": f"target {str(tgt.dtype).removeprefix('torch.')}, drafter "
+        + ("bf16 autocast" if trainer.use_bf16 else "fp32"),
         "wall_time_s": trainer.wall_s,
     }
     if init_from is not None:
@@ -686,7 +749,10 @@ def train_command(
         prev = read_model_card_meta(init_from)
         meta["init_from"] = {
             "path": str(init_from),
-            **{k: prev.get(k) for k in ("steps", "global_batch", "data_summary", "wall_time_s", "hardware")},
+            **{
+                k: prev.get(k)
+                for k in ("steps", "global_batch", "data_summary", "wall_time_s", "hardware", "init_from")
+            },
         }
     export_drafter(trainer.draft, out, meta, _DTYPES[export_dtype])
     exported = DFlashDraftModel.from_pretrained(
