@@ -267,7 +267,9 @@ def test_target_taps_equal_hf_hidden_states(models, arch):
     torch.testing.assert_close(out.logits, hf.logits.float())
     # the training path stops after the deepest tap and must give the same features
     torch.testing.assert_close(target.features(ids, layer_ids), expected)
-    torch.testing.assert_close(target.features(ids, [1, 0]), torch.cat([hf.hidden_states[2], hf.hidden_states[1]], -1))
+    torch.testing.assert_close(
+        target.features(ids, [1, 0]), torch.cat([hf.hidden_states[2], hf.hidden_states[1]], -1)
+    )
     # the block embedding is what the first layer receives (Gemma3 scales it inside its embedding module)
     torch.testing.assert_close(target.embed(ids), model.get_input_embeddings()(ids))
 

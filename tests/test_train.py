@@ -71,7 +71,9 @@ def test_weighted_block_loss_matches_autograd_reference(softcap):
 
     keep = weights > 0
     logits = target.lm_head_logits(hidden)
-    ref = (torch.nn.functional.cross_entropy(logits[keep], labels[keep], reduction="none") * weights[keep]).sum()
+    ref = (
+        torch.nn.functional.cross_entropy(logits[keep], labels[keep], reduction="none") * weights[keep]
+    ).sum()
     (3 * ref).backward()
     torch.testing.assert_close(loss, ref)
     torch.testing.assert_close(fused_grad, hidden.grad)

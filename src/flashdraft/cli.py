@@ -319,7 +319,10 @@ def train(
     export_dtype: Annotated[str, typer.Option(help="bfloat16 (z-lab) | float32")] = "bfloat16",
     device: Annotated[str | None, typer.Option(help="cpu | cuda (torchrun picks per rank)")] = None,
     target_dtype: Annotated[
-        str | None, typer.Option(help="float32|bfloat16|float16 for the frozen target (default: bf16 on GPU, fp32 on CPU)")
+        str | None,
+        typer.Option(
+            help="float32|bfloat16|float16 for the frozen target (default: bf16 on GPU, fp32 on CPU)"
+        ),
     ] = None,
     bf16: Annotated[
         bool | None,

@@ -135,7 +135,9 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, weights, chunk_size, softcap):  # type: ignore[override]
         n = hidden.shape[0]
         need_grad = ctx.needs_input_grad[0]
-        grad_hidden = torch.empty(hidden.shape if need_grad else (0,), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty(
+            hidden.shape if need_grad else (0,), dtype=torch.float32, device=hidden.device
+        )
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.empty(n, dtype=torch.bool, device=hidden.device)
         for s in range(0, n, chunk_size):
