@@ -378,3 +378,61 @@ def test_cli_regenerate_train_evaluate_export(tmp_path):
     # a resumed run that is already complete does no more steps and exports again
     r = runner.invoke(app, [*args, "--resume", "--eval-datasets", ""])
     assert r.exit_code == 0 and "resumed" in r.output, r.output
+
+
+@pytest.mark.slow  # four CLI processes (~15 s): runs in `make test-slow`
+def test_torchrun_cli_two_processes_match_one_process(tmp_path):
+    """`torchrun --nproc-per-node 2 -m flashdraft train` (gloo, env://) gives the drafter that one process gives
+    with the same global batch: the real launcher, rendezvous and export path, not only the Trainer."""
+    import json as _json
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from flashdraft.data import TrainingData
+    from test_data import make_tokenizer
+
+    model_dir = tmp_path / "tiny-target"
+    tiny_model("llama", seed=3, layers=4).save_pretrained(model_dir)
+    make_tokenizer().save_pretrained(model_dir)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(_json.dumps({"question": f"w{i} w{i + 1}", "answer": f"w{i + 2} w{i + 3} w{i + 4}"}) + "\n"
+                for i in range(3, 11))
+    )  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cli = [sys.executable, "-m", "flashdraft"]
+    data_dir = tmp_path / "data"
+    subprocess.run([*cli, "data", "regenerate", "--target", str(model_dir), "--prompts", str(prompts),
+                    "--out", str(data_dir), "--no-regenerate"], check=True, env=env, capture_output=True)  # fmt: skip
+    assert len(TrainingData(data_dir)) == 8
+    common = ["train", "--target", str(model_dir), "--data", str(data_dir), "--num-layers", "1", "--block-size",
+              "4", "--num-anchors", "4", "--max-steps", "2", "--eval-datasets", "", "--export-dtype", "float32",
+              "--device", "cpu"]  # fmt: skip
+    one = subprocess.run([*cli, *common, "--out", str(tmp_path / "one"), "--batch-size", "2"],
+                         env=env, capture_output=True, text=True)  # fmt: skip
+    assert one.returncode == 0, one.stderr[-2000:]
+    run = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "flashdraft",
+    ]
+    two = subprocess.run([*run, *common, "--out", str(tmp_path / "two"), "--batch-size", "1"],
+                         env=env, capture_output=True, text=True)  # fmt: skip
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert "2 process(es)" in two.stdout and "1 process(es)" in one.stdout
+    a = load_file(tmp_path / "one" / "model.safetensors")
+    b = load_file(tmp_path / "two" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
+    init = DFlashDraftModel.for_target(tiny_model("llama", seed=3, layers=4).config, num_layers=1, block_size=4,
+                                       mask_token_id=0, seed=0).state_dict()  # fmt: skip
+    assert any(not torch.allclose(init[n].float(), a[n]) for n in a if n in init)  # it did train
