@@ -255,6 +255,26 @@ def test_no_regenerate_uses_existing_answers(target, files, tmp_path):
     assert m["counts"]["skipped_by_reason"] == {"no_answer": 1} and m["counts"]["generated_tokens"] == 0
 
 
+def test_prompt_suffix_is_appended_to_first_turn_and_recorded(target, files, tmp_path):
+    from flashdraft.data import resolve_prompt_suffix
+    from flashdraft.datasets import BOXED_SUFFIX
+
+    assert resolve_prompt_suffix("boxed") == BOXED_SUFFIX and resolve_prompt_suffix(" w5") == " w5"
+    m = run(target, [files["gsm"]], tmp_path, no_regenerate=True, prompt_suffix=" w5 w6")
+    assert m["settings"]["prompt_suffix"] == " w5 w6"
+    recs = records(tmp_path)
+    checked = 0
+    for it in load_prompts([files["gsm"]]):
+        if it.key in recs:
+            ids, mask = recs[it.key]
+            prompt = target.encode_prompt(it.conversation.user_turns[0] + " w5 w6")[0].tolist()
+            assert ids[: len(prompt)] == prompt and mask[: len(prompt)] == [0] * len(prompt)
+            checked += 1
+    assert checked > 0
+    with pytest.raises(DataError, match="prompt_suffix"):  # resuming with another suffix would mix formats
+        run(target, [files["gsm"]], tmp_path, no_regenerate=True)
+
+
 def test_long_prompts_are_skipped_and_sequences_capped(target, files, tmp_path):
     items = load_prompts([files["gsm"]])
     lens = [target.encode_prompt(it.conversation.user_turns[0]).shape[1] for it in items]

@@ -160,6 +160,13 @@ class PromptItem:
     conversation: Conversation
 
 
+def resolve_prompt_suffix(suffix: str) -> str:
+    """`boxed` names the GSM8K/MATH benchmark instruction; anything else is used as given."""
+    from .datasets import BOXED_SUFFIX
+
+    return BOXED_SUFFIX if suffix == "boxed" else suffix
+
+
 def load_prompts(
     prompt_files: Sequence[str | Path], *, shuffle_seed: int | None = None, limit: int | None = None
 ) -> list[PromptItem]:
@@ -480,12 +487,16 @@ def regenerate(
     max_length: int = 2048,
     progress: bool = True,
     chunk_size: int | None = None,
+    prompt_suffix: str | None = None,
 ) -> dict[str, Any]:
     """Regenerate the answers of prompt files with `target` and store token ids + answer loss masks in `out_dir`.
 
     Resumable: prompts already finished in `out_dir` are skipped (a killed run loses at most one chunk of
     `chunk_size` prompts, default 4 x batch_size). Refuses an `out_dir` made with different settings. Returns the
     manifest (also written to ``out_dir/manifest.json``).
+
+    `prompt_suffix` is appended to each conversation's first user turn, so training prompts can carry the same
+    instruction as serving prompts (``"boxed"``: the GSM8K/MATH benchmark's step-by-step ``\\boxed{}`` line).
     """
     if isinstance(prompt_files, (str, Path)):
         prompt_files = [prompt_files]
@@ -525,7 +536,15 @@ def regenerate(
         "shuffle_seed": shuffle_seed,
         "sources": sources,
     }
+    if prompt_suffix:  # recorded only when used, so data made before the option existed still resumes
+        prompt_suffix = resolve_prompt_suffix(prompt_suffix)
+        settings["prompt_suffix"] = prompt_suffix
     items = load_prompts(prompt_files, shuffle_seed=shuffle_seed, limit=limit)
+    if prompt_suffix:
+        for item in items:
+            turns = item.conversation.user_turns
+            if turns:
+                turns[0] = turns[0] + prompt_suffix
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -1001,6 +1020,12 @@ def _make_app():
             "--target-dtype",
             help="float32|bfloat16|float16 for the target (default: fp32 on CPU, bf16 on GPU).",
         ),
+        prompt_suffix: str | None = typer.Option(
+            None,
+            "--prompt-suffix",
+            help="Text appended to each first user turn, to match how prompts are served; 'boxed' = the "
+            "GSM8K/MATH benchmark's step-by-step \\boxed{} instruction.",
+        ),
     ) -> None:
         """Regenerate answers with the target and store token ids + answer loss masks."""
         for p in prompts:
@@ -1032,6 +1057,7 @@ def _make_app():
                 no_regenerate=no_regenerate,
                 max_length=max_length,
                 chunk_size=chunk_size,
+                prompt_suffix=prompt_suffix,
             )
         except DataError as e:
             fail(str(e))
