@@ -148,6 +148,25 @@ def _check_settings(path: Path, existing: dict[str, Any], settings: dict[str, An
         )
 
 
+def _open_manifest(
+    path: Path, fmt: str, settings: dict[str, Any], what: str, wrong_format: str
+) -> dict[str, Any]:
+    """The manifest at `path` if it was made with the same `settings` (resume), else a fresh one."""
+    if not path.exists():
+        return {
+            "format": fmt,
+            "format_version": FORMAT_VERSION,
+            "created": _now(),
+            "settings": settings,
+            "wall_time_s": 0.0,
+        }
+    manifest = _read_json(path)
+    if manifest.get("format") != fmt:
+        raise DataError(wrong_format)
+    _check_settings(path.parent, manifest, settings, what)
+    return manifest
+
+
 # ============================================================================================ prompts
 
 
@@ -549,19 +568,10 @@ def regenerate(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     manifest_path = out / MANIFEST
-    if manifest_path.exists():
-        manifest = _read_json(manifest_path)
-        if manifest.get("format") != FORMAT:
-            raise DataError(f"{out} holds something else than flashdraft data ({manifest_path})")
-        _check_settings(out, manifest, settings, "training data")
-    else:
-        manifest = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "created": _now(),
-            "settings": settings,
-            "wall_time_s": 0.0,
-        }
+    manifest = _open_manifest(
+        manifest_path, FORMAT, settings, "training data",
+        f"{out} holds something else than flashdraft data ({manifest_path})",
+    )  # fmt: skip
     eos = target.eos_token_ids
     manifest.update(
         {
@@ -861,19 +871,10 @@ def compute_features(
         "data_dir": str(data.data_dir.resolve()),
     }
     manifest_path = out / FEATURES_MANIFEST
-    if manifest_path.exists():
-        manifest = _read_json(manifest_path)
-        if manifest.get("format") != FEATURES_FORMAT:
-            raise DataError(f"{manifest_path} is not a flashdraft features manifest")
-        _check_settings(out, manifest, settings, "offline features")
-    else:
-        manifest = {
-            "format": FEATURES_FORMAT,
-            "format_version": FORMAT_VERSION,
-            "created": _now(),
-            "settings": settings,
-            "wall_time_s": 0.0,
-        }
+    manifest = _open_manifest(
+        manifest_path, FEATURES_FORMAT, settings, "offline features",
+        f"{manifest_path} is not a flashdraft features manifest",
+    )  # fmt: skip
     manifest.update(
         {
             "flashdraft_version": _version(),

@@ -196,19 +196,7 @@ class Target:
             kwargs[self._logits_to_keep_arg] = 1
         with self._taps(tap_layer_ids) as captured:
             out = self.model(input_ids=input_ids, **kwargs)
-        features = None
-        if tap_layer_ids:
-            feats = []
-            for i in tap_layer_ids:
-                h = captured[i]
-                if i == self.num_layers - 1:
-                    if self._final_norm is None:
-                        raise TargetError(
-                            "cannot tap the last layer: the final norm of this model was not found"
-                        )
-                    h = self._final_norm(h)
-                feats.append(h)
-            features = torch.cat(feats, dim=-1)
+        features = self._concat_taps(captured, tap_layer_ids) if tap_layer_ids else None
         logits = out.logits
         if last_logits_only:
             logits = logits[:, -1:]
@@ -231,6 +219,10 @@ class Target:
                 pass
             finally:
                 handle.remove()
+        return self._concat_taps(captured, tap_layer_ids)
+
+    def _concat_taps(self, captured: dict[int, torch.Tensor], tap_layer_ids: Sequence[int]) -> torch.Tensor:
+        """[..., len(taps) * H] in tap order; the last layer gets the final norm, as HF `hidden_states[-1]`."""
         feats = []
         for i in tap_layer_ids:
             h = captured[i]
