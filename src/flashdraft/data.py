@@ -828,7 +828,7 @@ def compute_features(
 ) -> dict[str, Any]:
     """Cache the target's tapped-layer outputs ([S, len(layer_ids) * H] per sequence) for offline training.
 
-    Each stored sequence runs through the frozen target up to its deepest tap (`Target.features(ids,
+    Each stored sequence runs through the frozen decoder stack, no LM head (`Target.features(ids,
     layer_ids)`); features go to safetensors shards of about `shard_mb` MB in `dtype`. Resumable;
     refuses an `out_dir` whose features were made with other layers, dtype, target or data.
     """

@@ -56,10 +56,6 @@ def _find_final_norm(model: nn.Module) -> nn.Module | None:
     return None
 
 
-class _StopForward(Exception):
-    """Raised by a hook to end a target forward early once every tapped layer has run."""
-
-
 class Target:
     """A frozen target model: `embed`, `lm_head_logits`, `forward` with layer taps, and cache rollback."""
 
@@ -204,21 +200,13 @@ class Target:
 
     @torch.no_grad()
     def features(self, input_ids: torch.Tensor, tap_layer_ids: Sequence[int]) -> torch.Tensor:
-        """The tapped features alone (training): the forward stops after the deepest tapped layer, so the layers
-        above it, the final norm and the LM head are never run."""
-        deepest = max(tap_layer_ids)
-
-        def stop(_module, _args, _output):
-            raise _StopForward
-
+        """The tapped features alone (training): runs the decoder stack without the LM head, which on bf16 CPUs
+        would also copy the whole head weight on every call. (Stopping the forward early by raising from a hook
+        crashed gloo DDP workers now and then, so the few layers above the deepest tap still run.)"""
+        get_decoder = getattr(self.model, "get_decoder", None)
+        decoder = get_decoder() if callable(get_decoder) else None
         with self._taps(tap_layer_ids) as captured:
-            handle = self.layers[deepest].register_forward_hook(stop)  # after the taps: hooks run in order
-            try:
-                self.model(input_ids=input_ids, use_cache=False)
-            except _StopForward:
-                pass
-            finally:
-                handle.remove()
+            (decoder if isinstance(decoder, nn.Module) else self.model)(input_ids=input_ids, use_cache=False)
         return self._concat_taps(captured, tap_layer_ids)
 
     def _concat_taps(self, captured: dict[int, torch.Tensor], tap_layer_ids: Sequence[int]) -> torch.Tensor:
