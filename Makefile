@@ -12,10 +12,12 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "==> installing $(TORCH_SPEC) and flashdraft with its dependencies into $(VENV) (1-3 minutes the first time)"
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[test,serve]"
+	$(BIN)/python -m pip install --progress-bar off "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --progress-bar off -e ".[test,serve]"
 	touch $(STAMP)
+	@echo "==> installed: the CLI is $(BIN)/flashdraft"
 
 # Default suite: tiny random models only, a few minutes on 2 cores.
 test: venv
@@ -30,8 +32,8 @@ COMPAT_VENV ?= .venv-compat
 test-compat:
 	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
 	$(COMPAT_VENV)/bin/python -m pip install -q --upgrade pip
-	$(COMPAT_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)" "transformers==4.57.1"
-	$(COMPAT_VENV)/bin/python -m pip install -q -e ".[test]"
+	$(COMPAT_VENV)/bin/python -m pip install --progress-bar off "$(TORCH_SPEC)" "transformers==4.57.1"
+	$(COMPAT_VENV)/bin/python -m pip install --progress-bar off -e ".[test]"
 	$(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_model.py tests/test_generate.py \
 		tests/test_train.py -k "not ddp and not short_cpu"
 
@@ -47,6 +49,9 @@ demo: venv
 	$(BIN)/flashdraft models fetch smollm2-135m-instruct
 	$(BIN)/flashdraft generate --target smollm2-135m-instruct --draft $(DEMO_DRAFT) --compare-ar \
 		--max-new-tokens 160 "$$DEMO_PROMPT"
+	@echo
+	@echo "The flashdraft CLI lives in $(VENV)/bin: run '$(BIN)/flashdraft --help', or"
+	@echo "'source $(VENV)/bin/activate' to put 'flashdraft' on your PATH."
 
 # A held-out GSM8K test question (the drafter was trained on GSM8K train), in the benchmark's prompt format.
 define DEMO_PROMPT

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import random
+import tempfile
 
 import pytest
 import torch
 
 from flashdraft import Proposer
+
+# Cost models measured by tests (block_size="auto") stay out of the user's cache.
+os.environ.setdefault("FLASHDRAFT_COST_CACHE", tempfile.mkdtemp(prefix="flashdraft-costs-"))
 
 # Tiny models gain nothing from intra-op threads, and a shared 2-core machine punishes oversubscription.
 torch.set_num_threads(1)

@@ -12,8 +12,9 @@ import torch
 from scipy.stats import chisquare
 
 from conftest import tiny_model
-from flashdraft import DFlashDraftModel, Proposer, SamplingParams, Target, generate
-from flashdraft.sampling import target_probs, verify_block
+from flashdraft import DFlashDraftModel, Proposer, SamplingParams, Target, generate, generate_ar
+from flashdraft.costs import CostModel
+from flashdraft.sampling import inverse_cdf_sample, position_uniforms, target_probs, verify_block
 
 V = 6  # tiny vocabulary: 6^3 = 216 joint outcomes for three tokens
 PROMPT = [3, 1, 4, 1, 5]
@@ -95,15 +96,25 @@ def assert_same_law(samples: Counter, joint: dict, n: int) -> None:
     [
         (SamplingParams(temperature=1.0), "dflash"),
         (SamplingParams(temperature=0.7, top_k=4, top_p=0.9), "greedy_guess"),
+        (SamplingParams(temperature=0.9, top_p=0.95), "dflash_auto_free_verify"),
     ],
-    ids=["T1-plain-random-drafter", "T0.7-topk4-topp0.9-good-drafter"],
+    ids=[
+        "T1-plain-random-drafter",
+        "T0.7-topk4-topp0.9-good-drafter",
+        "T0.9-auto-policy-verifies-everything",
+    ],
 )
 def test_sampling_is_lossless(small_target, params, proposer_kind):
     target = Target(small_target)
-    if proposer_kind == "dflash":
+    costs = None
+    if proposer_kind.startswith("dflash"):
         proposer = DFlashDraftModel.for_target(
             small_target.config, num_layers=1, block_size=4, mask_token_id=V - 1
         )
+    if proposer_kind == "dflash_auto_free_verify":
+        # Verifying costs the same at any length: the cost-aware policy drafts and verifies every slot it may,
+        # so the sampled law must survive its drafts and prompt lookups too.
+        costs = CostModel(lengths=[1, 4], verify_base=[1.0, 1.0], verify_slope=[0.0, 0.0], draft_base=1e-3)
     else:
         proposer = GreedyGuessProposer(small_target, block_size=4)
     joint = exact_joint(small_target, params)
@@ -120,6 +131,7 @@ def test_sampling_is_lossless(small_target, params, proposer_kind):
             top_k=params.top_k,
             stop_token_ids=[],
             seed=i,
+            costs=costs,
         )
         samples[tuple(res.new_tokens)] += 1
         accepted_runs += res.acceptance_lengths[0] > 1
@@ -137,12 +149,40 @@ def test_verify_block_rules():
     assert (a, emitted) == (2, [2, 3, 0])
     a, emitted = verify_block(logits, torch.tensor([2, 3, 0]), SamplingParams(), None)
     assert (a, emitted) == (3, [2, 3, 0, 4])
-    g = torch.Generator().manual_seed(0)
     hard = torch.full((2, 5), float("-inf"))
     hard[0, 1] = hard[1, 2] = 0.0  # one-hot target distributions
-    for _ in range(50):
-        assert verify_block(hard, torch.tensor([1]), SamplingParams(temperature=1.0), g) == (1, [1, 2])
-        assert verify_block(hard, torch.tensor([3]), SamplingParams(temperature=1.0), g) == (0, [1])
+    for seed in range(50):
+        u = position_uniforms(seed, 7, 2)
+        assert verify_block(hard, torch.tensor([1]), SamplingParams(temperature=1.0), u) == (1, [1, 2])
+        assert verify_block(hard, torch.tensor([3]), SamplingParams(temperature=1.0), u) == (0, [1])
+
+
+def test_inverse_cdf_sampling_is_exact_and_skips_zero_probabilities():
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0]])
+    assert inverse_cdf_sample(probs, torch.tensor([0.0])).item() == 1
+    assert inverse_cdf_sample(probs, torch.tensor([0.2499])).item() == 1
+    assert inverse_cdf_sample(probs, torch.tensor([0.25])).item() == 3
+    assert inverse_cdf_sample(probs, torch.tensor([0.999999])).item() == 3
+    u = position_uniforms(3, 0, 20000)
+    counts = torch.bincount(inverse_cdf_sample(probs.expand(20000, 5), u), minlength=5)
+    assert counts[0] == counts[2] == counts[4] == 0 and abs(counts[1].item() / 20000 - 0.25) < 0.015
+
+
+@pytest.mark.parametrize("kind", ["random_drafter_auto", "random_drafter_b4", "good_guesser"])
+def test_sampled_output_is_plain_sampling_with_the_same_seed(small_target, kind):
+    """Not only the same law: the same seed gives plain decoding's very tokens, whatever was proposed."""
+    target = Target(small_target)
+    params = dict(temperature=0.8, top_p=0.95, stop_token_ids=[])
+    if kind == "good_guesser":
+        draft, block = GreedyGuessProposer(small_target, block_size=4), None
+    else:
+        draft = DFlashDraftModel.for_target(
+            small_target.config, num_layers=1, block_size=4, mask_token_id=V - 1
+        )
+        block = 4 if kind == "random_drafter_b4" else "auto"
+    for seed in range(6):
+        plain = generate_ar(target, PROMPT, 16, seed=seed, **params).new_tokens
+        assert generate(target, draft, PROMPT, 16, seed=seed, block_size=block, **params).new_tokens == plain
 
 
 def test_top_k_top_p_filtering():

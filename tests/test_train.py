@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -261,9 +262,17 @@ def test_resume_reaches_the_same_parameters(tmp_path):
     killed = Trainer(target, data, small_train_config(tmp_path / "b", **cfg))
     killed.fit(stop_after=3)  # "killed" after step 3; the last checkpoint is from step 2
     assert killed.step == 3
+    log = tmp_path / "b" / "train_log.jsonl"
+    with log.open("a") as f:  # a step the killed run logged after its last checkpoint, then a line cut short
+        f.write(json.dumps({"step": 4, "loss": 99.0}) + '\n{"step": 5, "lo')
     resumed = Trainer(target, data, small_train_config(tmp_path / "b", **cfg))
     resumed.fit(resume=True)
     assert resumed.step == 6
+    # the log holds every step once, with the values the uninterrupted run logged
+    logged = [json.loads(line) for line in log.read_text().splitlines()]
+    reference = [json.loads(line) for line in (tmp_path / "a" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in logged] == pytest.approx([r["loss"] for r in reference], rel=1e-6)
     for (name, p), q in zip(
         straight.draft.state_dict().items(), resumed.draft.state_dict().values(), strict=True
     ):

@@ -52,7 +52,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from .datasets import BenchDataset, load_bench_dataset
-from .progress import progress_bar
+from .progress import busy_machine_warning, progress_bar
 
 __all__ = [
     "METHODS",
@@ -77,10 +77,12 @@ __all__ = [
 METHODS: dict[str, str] = {
     "ar": "flashdraft plain decoding (same loop, no drafter)",
     "hf": "transformers generate (greedy / sampling, no speculation)",
-    "dflash": "flashdraft DFlash speculative decoding",
+    "dflash": "flashdraft DFlash speculative decoding (default: cost-aware verify length, --block-size auto)",
+    "dflash-fixed": "flashdraft DFlash with a fixed verify length: the drafter's trained block (the paper's setting)",
     "sd": "transformers assisted generation with a small draft model",
     "pld": "transformers prompt-lookup decoding",
 }
+DFLASH_METHODS = ("dflash", "dflash-fixed")
 REFERENCE = "ar"  # the output every method must reproduce at T=0, and the first speedup baseline
 HF_BASELINE = "hf"
 
@@ -248,6 +250,11 @@ def summarize_records(records: Sequence[SampleRecord], block_size: int | None = 
     if drafted or any(n > 1 for n in steps):
         summary["acceptance_histogram"] = acceptance_histogram(steps, block_size)
     if drafted:
+        # How many proposals each step verified (0 = a plain step): what a cost-aware policy chose.
+        lengths = [d for r in records for d in r.draft_lengths]
+        summary["verify_length_histogram"] = {
+            str(n): lengths.count(n) for n in range(max(lengths) + 1) if lengths.count(n)
+        }
         summary["slot_acceptance"] = per_slot_acceptance(
             [d for r in records for d in r.draft_lengths], [a for r in records for a in r.accepted_drafts]
         )
@@ -369,7 +376,7 @@ def validate_config(cfg: BenchConfig) -> None:
     """Every check that needs no model: fail in a second, not after loading weights."""
     cfg.methods = parse_methods(cfg.methods)
     _validate_common(cfg.max_new_tokens, cfg.temperature, cfg.max_samples)
-    if "dflash" in cfg.methods and not cfg.draft:
+    if any(m in DFLASH_METHODS for m in cfg.methods) and not cfg.draft:
         raise BenchError("method dflash needs a drafter: pass --draft DIR")
     if "sd" in cfg.methods and not cfg.assistant:
         raise BenchError(
@@ -491,17 +498,27 @@ class LocalMethods:
         pad = getattr(tok, "pad_token_id", None) if tok is not None else None
         self.pad_id = pad if pad is not None else (self.stop_ids[0] if self.stop_ids else 0)
         self.draft = None
-        self.block_size: int | None = None
-        if "dflash" in cfg.methods:
+        self.block_size: int | None = (
+            None  # the drafter's trained block (histogram bins, fixed verify length)
+        )
+        self.verify: int | str = "auto"  # what method dflash verifies: "auto" or a fixed block size
+        self.cost_model = None
+        if any(m in DFLASH_METHODS for m in cfg.methods):
             self.draft = DFlashDraftModel.from_pretrained(
                 cfg.draft, dtype=self.target.dtype, device=self.device
             )
             self.target.check_drafter(self.draft.config)
-            self.block_size = cfg.block_size or self.draft.config.block_size
-            if self.block_size > self.draft.config.block_size:
+            self.block_size = self.draft.config.block_size
+            self.verify = cfg.block_size or "auto"
+            if cfg.block_size and cfg.block_size > self.block_size:
                 raise BenchError(
-                    f"--block-size {self.block_size} exceeds the drafter's block size {self.draft.config.block_size}"
+                    f"--block-size {cfg.block_size} exceeds the drafter's block size {self.block_size}"
                 )
+            if self.verify == "auto" and "dflash" in cfg.methods:
+                from .costs import load_or_measure_costs
+
+                self.cost_model = load_or_measure_costs(self.target, self.draft, log=console.print)
+                console.print(self.cost_model.summary())
         self.assistant = None
         if "sd" in cfg.methods:
             self.assistant = load_target(cfg.assistant, dtype=self.target.dtype, device=self.device)
@@ -545,7 +562,7 @@ class LocalMethods:
         return settings
 
     def run(self, method: str, input_ids: torch.Tensor, max_new_tokens: int, seed: int) -> RunOutput:
-        if method in ("ar", "dflash"):
+        if method in ("ar", *DFLASH_METHODS):
             return self._run_engine(method, input_ids, max_new_tokens, seed)
         extra: dict[str, Any] = {}
         if method == "sd":
@@ -558,8 +575,11 @@ class LocalMethods:
         from .generate import generate, generate_ar
 
         common = dict(max_new_tokens=max_new_tokens, temperature=self.cfg.temperature, seed=seed)
-        if method == "dflash":
-            res = generate(self.target, self.draft, input_ids, block_size=self.block_size, **common)
+        if method in DFLASH_METHODS:
+            verify = self.verify if method == "dflash" else self.block_size
+            res = generate(
+                self.target, self.draft, input_ids, block_size=verify, costs=self.cost_model, **common
+            )
         else:
             res = generate_ar(self.target, input_ids, **common)
         return RunOutput(
@@ -569,8 +589,8 @@ class LocalMethods:
             first_chunk=1,
             step_tokens=list(res.acceptance_lengths),
             # Plain decoding proposes nothing: its all-zero draft logs carry no information.
-            draft_lengths=list(res.draft_lengths) if method == "dflash" else [],
-            accepted_drafts=list(res.accepted_drafts) if method == "dflash" else [],
+            draft_lengths=list(res.draft_lengths) if method in DFLASH_METHODS else [],
+            accepted_drafts=list(res.accepted_drafts) if method in DFLASH_METHODS else [],
             stop_reason=res.stop_reason,
         )
 
@@ -691,13 +711,9 @@ def _run_local(cfg: BenchConfig, datasets: list[BenchDataset]) -> dict[str, Any]
     interrupted = False
     started = datetime.now(timezone.utc)
     load_at_start = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if load_at_start and target.device.type == "cpu" and load_at_start[0] > cores:
-        hint = ", and torch threads competing for busy cores can be much slower (try --threads 1)"
-        console.print(
-            f"[yellow]warning:[/] the machine is busy (load {load_at_start[0]:.1f} on {cores} cores): timings will "
-            "be noisy" + (hint if torch.get_num_threads() > 1 else "")
-        )
+    busy = busy_machine_warning(target.device.type, torch.get_num_threads())
+    if busy:
+        console.print(f"[yellow]warning:[/] {busy}")
 
     def encode(messages: list[dict[str, str]], system: str | None) -> torch.Tensor:
         return target.encode_prompt(messages, chat=cfg.chat, enable_thinking=cfg.thinking, system=system)
@@ -811,6 +827,8 @@ def _local_results(
         "max_new_tokens": cfg.max_new_tokens,
         "temperature": cfg.temperature,
         "block_size": runner.block_size,
+        "verify": runner.verify,
+        "cost_model": runner.cost_model.to_dict() if runner.cost_model is not None else None,
         "seed": cfg.seed,
         "chat_template": cfg.chat,
         "enable_thinking": cfg.thinking,
@@ -1355,6 +1373,18 @@ def _acceptance_tables(group: str, s: dict[str, Any]) -> list[str]:
             "| share | " + " | ".join(f"{hist[k] / total * 100:.1f}%" for k in keys) + " |",
             "",
         ]
+    verify = s.get("verify_length_histogram")
+    if verify:
+        total = sum(verify.values())
+        keys = sorted(verify, key=int)
+        lines += [
+            f"Verify lengths ({group}, {total} steps; share of steps verifying n proposals, 0 = a plain step):",
+            "",
+            "| n | " + " | ".join(keys) + " |",
+            "|---|" + "---|" * len(keys),
+            "| share | " + " | ".join(f"{verify[k] / total * 100:.1f}%" for k in keys) + " |",
+            "",
+        ]
     slots = s.get("slot_acceptance")
     if slots:
         lines += [
@@ -1836,7 +1866,13 @@ def bench_command(
     ] = None,
     max_new_tokens: Annotated[int, typer.Option(help="z-lab uses 2048")] = 256,
     temperature: Annotated[float, typer.Option(help="0 = greedy, outputs compared with ar")] = 0.0,
-    block_size: Annotated[int | None, typer.Option(help="DFlash block size (<= the drafter's)")] = None,
+    block_size: Annotated[
+        int | None,
+        typer.Option(
+            help="fixed verify length for method dflash (<= the drafter's block); default: cost-aware (auto). "
+            "Method dflash-fixed always verifies the drafter's full trained block."
+        ),
+    ] = None,
     pld_tokens: Annotated[int, typer.Option(help="prompt_lookup_num_tokens for pld")] = 10,
     seed: Annotated[int, typer.Option(help="sample selection and sampling seed")] = 0,
     out: Annotated[
@@ -1873,7 +1909,7 @@ def bench_command(
     ] = None,
 ) -> None:
     """Measure acceptance length τ and speedup of ar / hf / dflash / sd / pld side by side, or benchmark a server."""
-    from .cli import user_errors
+    from .errors import print_error, user_errors
 
     command = _redacted_command(sys.argv[1:])
     try:
@@ -1911,6 +1947,6 @@ def bench_command(
         else:
             raise BenchError(f"--backend must be local or openai, got {backend!r}")
     except user_errors() as e:
-        console.print(f"[bold red]error:[/] {e}", soft_wrap=True)
+        print_error(e)
         raise typer.Exit(2) from None
     print_summary(results)

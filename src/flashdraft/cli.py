@@ -12,6 +12,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from .errors import one_line_errors, print_error, user_errors
+
 console = Console(stderr=True)
 out = Console()
 
@@ -27,39 +29,22 @@ models_app = typer.Typer(
 app.add_typer(models_app, name="models")
 
 
-def user_errors() -> tuple[type[BaseException], ...]:
-    """Errors that mean bad input: shown as one line, never as a traceback."""
-    from .bench import BenchError
-    from .config import DFlashConfigError
-    from .data import DataError
-    from .datasets import DatasetError
-    from .generate import GenerationError
-    from .model import DFlashCheckpointError
-    from .packs import PackError
-    from .prompts import PromptFormatError
-    from .sampling import SamplingError
-    from .target import TargetError
+@app.callback()
+def _root(
+    verbose: Annotated[
+        bool, typer.Option("--verbose", help="show transformers' own load bars and messages")
+    ] = False,
+) -> None:
+    from .progress import quiet_libraries
 
-    return (
-        BenchError,
-        DataError,
-        DatasetError,
-        DFlashConfigError,
-        DFlashCheckpointError,
-        GenerationError,
-        PackError,
-        PromptFormatError,
-        SamplingError,
-        TargetError,
-        FileNotFoundError,
-    )
+    quiet_libraries(verbose)
 
 
 def main() -> None:
     try:
         app()
     except user_errors() as e:
-        console.print(f"[bold red]error:[/] {e}")
+        print_error(e)
         sys.exit(2)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]")
@@ -68,19 +53,26 @@ def main() -> None:
 
 # ---------------------------------------------------------------------------------------------- models
 @models_app.command("list")
+@one_line_errors
 def models_list() -> None:
     """Show the offline model packs and whether they are fetched."""
     from .packs import flashdraft_home, list_packs
 
+    rows = list_packs()
     table = Table(title=f"model packs (FLASHDRAFT_HOME={flashdraft_home()})")
-    for col in ("name", "download", "licence", "fetched", "description"):
-        table.add_column(col)
-    for p in list_packs():
+    # The name is what users type: never truncated; the long columns wrap instead.
+    table.add_column("name", no_wrap=True, min_width=max(len(p["name"]) for p in rows))
+    table.add_column("download", no_wrap=True)
+    table.add_column("licence", overflow="fold", ratio=1)
+    table.add_column("fetched", no_wrap=True)
+    table.add_column("description", overflow="fold", ratio=2)
+    for p in rows:
         table.add_row(p["name"], p["size"], p["licence"], "yes" if p["fetched"] else "no", p["description"])
     out.print(table)
 
 
 @models_app.command("fetch")
+@one_line_errors
 def models_fetch(
     name: Annotated[str, typer.Argument(help="pack name, see `flashdraft models list`")],
     force: Annotated[bool, typer.Option(help="download and convert again")] = False,
@@ -103,6 +95,7 @@ def _parse_ids(text: str | None) -> list[int] | None:
 
 
 @app.command("init-draft")
+@one_line_errors
 def init_draft(
     target: Annotated[str, typer.Option(help="target: pack name, local path or hub id")],
     out_dir: Annotated[Path, typer.Option("--out", help="directory to write the drafter to")],
@@ -177,6 +170,7 @@ class _Streamer:
 
 
 @app.command("generate")
+@one_line_errors
 def generate_command(
     prompt: Annotated[str, typer.Argument(help="user prompt (the chat template is applied)")],
     target: Annotated[str, typer.Option(help="target: pack name, local path or hub id")],
@@ -185,7 +179,13 @@ def generate_command(
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
     top_p: Annotated[float, typer.Option()] = 1.0,
     top_k: Annotated[int, typer.Option(help="0 = off")] = 0,
-    block_size: Annotated[int | None, typer.Option(help="<= the drafter's block size")] = None,
+    block_size: Annotated[
+        str,
+        typer.Option(
+            help="auto: per step, prompt lookup, the drafter or a plain step and how many tokens to verify, by "
+            "the measured cost of this machine; N: always verify N tokens (<= the drafter's block size)"
+        ),
+    ] = "auto",
     seed: Annotated[int | None, typer.Option()] = None,
     compare_ar: Annotated[bool, typer.Option(help="also run plain decoding and report the speedup")] = False,
     as_json: Annotated[
@@ -198,32 +198,102 @@ def generate_command(
     ] = None,
     dtype: Annotated[str | None, typer.Option(help="float32 | bfloat16 | float16")] = None,
     device: Annotated[str | None, typer.Option(help="cpu | cuda")] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(help="torch CPU threads (default: torch's; 1 is often faster on a busy machine)"),
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="library load bars and details")] = False,
 ) -> None:
     """Generate an answer with DFlash speculative decoding (lossless), streaming the text."""
     import torch
 
-    from .generate import generate, generate_ar
-    from .model import DFlashDraftModel
-    from .target import load_target
+    from .generate import GenerationError, generate, generate_ar
+    from .model import DFlashDraftModel, load_drafter_config
+    from .packs import resolve_model
+    from .progress import busy_machine_warning, quiet_libraries
+    from .sampling import SamplingParams
+    from .target import TargetError, check_drafter_fits_config, load_target, parse_device, parse_dtype
+
+    quiet_libraries(verbose)
+    # Every check that needs no weights runs first: a typo costs a second, not a model load.
+    if not prompt.strip():
+        raise GenerationError("the prompt is empty")
+    if max_new_tokens < 1:
+        raise GenerationError(f"--max-new-tokens must be a positive integer, got {max_new_tokens}")
+    SamplingParams(temperature, top_p, top_k)
+    if threads is not None and threads < 1:
+        raise GenerationError(f"--threads must be >= 1, got {threads}")
+    dev = parse_device(device)
+    torch_dtype = parse_dtype(dtype)
+    draft_config = load_drafter_config(draft)
+    verify: int | str = "auto"
+    if block_size.strip().lower() != "auto":
+        try:
+            verify = int(block_size)
+        except ValueError:
+            raise GenerationError(f"--block-size must be 'auto' or an integer, got {block_size!r}") from None
+        if not 1 <= verify <= draft_config.block_size:
+            raise GenerationError(
+                f"--block-size must be between 1 and the drafter's block size {draft_config.block_size}, got {verify}"
+            )
+    target_path = resolve_model(target)  # unknown pack names fail here; a pack is fetched once
+    from transformers import AutoConfig
+
+    try:
+        target_config = AutoConfig.from_pretrained(target_path)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TargetError(f"cannot read the config of target {target!r}: {first}") from None
+    check_drafter_fits_config(draft_config, target_config, target)
+    if threads:
+        torch.set_num_threads(threads)
 
     t0 = time.perf_counter()
-    tgt = load_target(target, dtype=dtype, device=device)
+    tgt = load_target(target_path, dtype=torch_dtype, device=dev)
+    tgt.name = target
     drafter = DFlashDraftModel.from_pretrained(draft, dtype=tgt.dtype, device=tgt.device)
-    tgt.check_drafter(drafter.config)
     load_s = time.perf_counter() - t0
+    busy = busy_machine_warning(tgt.device.type, torch.get_num_threads())
+    if busy:
+        console.print(f"[yellow]warning:[/] {busy}")
+    if verbose:
+        console.print(
+            f"loaded {target} ({tgt.dtype}, {tgt.device}, {torch.get_num_threads()} threads) and drafter {draft} "
+            f"in {load_s:.1f} s"
+        )
     ids = tgt.encode_prompt(prompt, chat=chat, enable_thinking=thinking, system=system)
     kwargs = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     torch.set_grad_enabled(False)
+    costs = None
+    if verify == "auto":
+        from .costs import load_or_measure_costs
+
+        costs = load_or_measure_costs(tgt, drafter, log=console.print)
+        if verbose:
+            console.print(costs.summary())
+    if tgt.dtype != torch.float32 and temperature == 0:
+        console.print(
+            f"[yellow]note:[/] {str(tgt.dtype).removeprefix('torch.')} target: verifying a block and decoding one "
+            "token round differently, so near-ties can flip and the output may differ from plain decoding in the "
+            "same dtype (still a valid greedy decoding up to rounding). float32 is token-for-token identical."
+        )
     # Warm both paths up so first-call overheads do not count against either of them.
-    generate(tgt, drafter, ids[:, -8:], max_new_tokens=4, stop_token_ids=[], block_size=block_size)
+    generate(tgt, drafter, ids[:, -8:], max_new_tokens=4, stop_token_ids=[], block_size=verify, costs=costs)
     if compare_ar:
         generate_ar(tgt, ids[:, -8:], max_new_tokens=4, stop_token_ids=[])
 
     streamer = _Streamer(tgt.tokenizer, enabled=not as_json)
-    res = generate(tgt, drafter, ids, max_new_tokens, block_size=block_size, on_tokens=streamer, **kwargs)
+    res = generate(
+        tgt, drafter, ids, max_new_tokens, block_size=verify, costs=costs, on_tokens=streamer, **kwargs
+    )
     if not as_json:
         sys.stdout.write("\n")
-    ar = generate_ar(tgt, ids, max_new_tokens, **kwargs) if compare_ar else None
+    ar = None
+    if compare_ar:
+        console.print(
+            f"running plain decoding on the same prompt for comparison ({max_new_tokens} tokens at most)…"
+        )
+        ar = generate_ar(tgt, ids, max_new_tokens, **kwargs)
 
     meta = drafter.config.flashdraft or {}
     untrained = meta.get("trained") is False
@@ -234,7 +304,7 @@ def generate_command(
         "prompt_tokens": res.prompt_length,
         "load_s": load_s,
         "dflash": res.to_dict(),
-        "block_size": block_size or drafter.config.block_size,
+        "block_size": verify,
         "untrained_drafter": untrained,
     }
     if ar is not None:
@@ -287,6 +357,7 @@ def generate_command(
 
 
 @app.command("train")
+@one_line_errors
 def train(
     target: Annotated[str, typer.Option(help="target: pack name, local path or hub id")],
     data: Annotated[list[Path], typer.Option(help="data dir from `flashdraft data regenerate` (repeatable)")],

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .files import atomic_write_text
+
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 ARCHITECTURE = "DFlashDraftModel"
@@ -360,8 +362,8 @@ class DFlashConfig:
         if not file.exists():
             raise DFlashConfigError(f"no {CONFIG_NAME} found at {path}")
         try:
-            raw = json.loads(file.read_text())
-        except json.JSONDecodeError as e:
+            raw = json.loads(file.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise DFlashConfigError(f"{file} is not valid JSON: {e}") from None
         if not isinstance(raw, dict):
             raise DFlashConfigError(f"{file} does not hold a JSON object")
@@ -370,7 +372,7 @@ class DFlashConfig:
     def save_pretrained(self, path: str | Path) -> None:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        (path / CONFIG_NAME).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        atomic_write_text(path / CONFIG_NAME, json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
 
     # ------------------------------------------------------------------ construction from a target
     @classmethod

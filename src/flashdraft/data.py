@@ -33,7 +33,6 @@ import logging
 import math
 import os
 import random
-import tempfile
 import time
 import warnings
 import zlib
@@ -46,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .files import atomic_write, atomic_write_text
 from .prompts import Conversation, PromptFormatError, load_conversations
 
 log = logging.getLogger(__name__)
@@ -88,25 +88,8 @@ def _now() -> str:
 # ============================================================================================ small file helpers
 
 
-_UMASK = os.umask(0)
-os.umask(_UMASK)
-
-
-def _atomic_write(path: Path, write) -> None:
-    """Call `write(tmp_path)` and rename the result to `path` (never leaves a half-written file under `path`)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; data is shared like any other output
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    _atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+_atomic_write = atomic_write
+_atomic_write_text = atomic_write_text
 
 
 def _write_json(path: Path, obj: Any) -> None:

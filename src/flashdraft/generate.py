@@ -15,13 +15,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from numbers import Integral
 from typing import Any
 
 import torch
 
+from .costs import CostModel, load_or_measure_costs
 from .model import DFlashDraftModel
-from .proposers import DFlashProposer, NoProposer, Proposer
-from .sampling import SamplingParams, sample_token, verify_block
+from .proposers import AdaptiveProposer, DFlashProposer, NoProposer, Proposer
+from .sampling import SamplingParams, position_uniforms, sample_token, verify_block
 from .target import Target, TargetError
 
 
@@ -43,6 +45,9 @@ class GenerationResult:
     prefill_s: float = 0.0  # prefill + first token
     decode_s: float = 0.0  # every verify step after that
     stop_reason: str = "max_new_tokens"
+    proposer_stats: dict[str, Any] = field(
+        default_factory=dict
+    )  # e.g. steps by source for the adaptive proposer
 
     @property
     def new_tokens(self) -> list[int]:
@@ -88,6 +93,7 @@ class GenerationResult:
             "tokens_per_s": self.tokens_per_s,
             "decode_tokens_per_s": self.decode_tokens_per_s,
             "stop_reason": self.stop_reason,
+            "proposer_stats": self.proposer_stats,
         }
 
 
@@ -96,7 +102,29 @@ def _as_target(target: Target | Any) -> Target:
 
 
 def _as_input_ids(input_ids: torch.Tensor | Sequence[int], device: torch.device) -> torch.Tensor:
-    ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(input_ids, dtype=torch.long)
+    if isinstance(input_ids, (str, bytes)):
+        raise GenerationError(
+            "input_ids must be token ids, not text: encode the prompt first, e.g. target.encode_prompt(text)"
+        )
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise GenerationError(
+                f"input_ids must be an integer tensor of token ids, got dtype {input_ids.dtype}"
+            )
+        ids = input_ids.long()
+    else:
+        rows = input_ids if len(input_ids) and isinstance(input_ids[0], (list, tuple)) else [input_ids]
+        bad = next(
+            (t for row in rows for t in row if isinstance(t, bool) or not isinstance(t, Integral)), None
+        )
+        if bad is not None:
+            raise GenerationError(
+                f"input_ids must be integer token ids, found {bad!r} ({type(bad).__name__})"
+            )
+        try:
+            ids = torch.tensor(input_ids, dtype=torch.long)
+        except (ValueError, TypeError) as e:
+            raise GenerationError(f"input_ids must be a [n] or [1, n] list of token ids: {e}") from None
     if ids.dim() == 1:
         ids = ids[None]
     if ids.dim() != 2:
@@ -126,7 +154,8 @@ def decode(
     seed: int | None = None,
     on_tokens: Callable[[list[int]], Any] | None = None,
 ) -> GenerationResult:
-    """The loop shared by speculative and plain decoding; `proposer` decides which one it is."""
+    """The loop shared by speculative and plain decoding; `proposer` decides which one it is (and may propose
+    fewer tokens than the block allows: the adaptive proposer chooses its verify length per step)."""
     ids = _as_input_ids(input_ids, target.device)
     prompt_len = ids.shape[1]
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -144,10 +173,12 @@ def decode(
             f"block_size must be between 1 and the drafter's block size {proposer.max_block_size}, got {block_size!r}"
         )
     stops = set(target.eos_token_ids if stop_token_ids is None else stop_token_ids)
-    generator = None
-    if not sampling.greedy:
-        generator = torch.Generator(device=target.device)
-        generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, ()).item())
+
+    def uniforms(start: int, count: int) -> torch.Tensor | None:
+        return None if sampling.greedy else position_uniforms(seed, start, count)
+
     taps = proposer.tap_layer_ids
     device = target.device
 
@@ -156,7 +187,9 @@ def decode(
     t0 = time.perf_counter()
     cache = target.new_cache()
     out = target.forward(ids, cache, taps, last_logits_only=True)
-    first = sample_token(out.logits[0, -1], sampling, generator)
+    first = sample_token(out.logits[0, -1], sampling, uniforms(prompt_len, 1))
+    history = [*ids[0].tolist(), first]  # prompt + fixed tokens, for proposers that look back (prompt lookup)
+    proposer.bind_history(history)
     proposer.start(out.features)
     tokens = [first]
     _sync(device)
@@ -174,15 +207,23 @@ def decode(
         anchor_position = (
             prompt_len + len(tokens) - 1
         )  # the anchor is the last fixed token, not yet in the cache
-        num_drafts = min(block_size - 1, remaining - 1)  # never verify past max_new_tokens
+        max_drafts = min(block_size - 1, remaining - 1)  # never verify past max_new_tokens
         drafts = (
-            proposer.propose(tokens[-1], anchor_position, num_drafts).to(device)
-            if num_drafts > 0
+            proposer.propose(tokens[-1], anchor_position, max_drafts).to(device)
+            if max_drafts > 0
             else torch.empty(0, dtype=torch.long, device=device)
         )
+        num_drafts = int(drafts.shape[0])
+        if num_drafts > max_drafts:
+            raise RuntimeError(
+                f"{type(proposer).__name__} proposed {num_drafts} tokens, at most {max_drafts} allowed"
+            )
         block = torch.cat([torch.tensor([tokens[-1]], device=device), drafts])[None]
         out = target.forward(block, cache, taps)
-        accepted, emitted = verify_block(out.logits[0], drafts, sampling, generator)
+        accepted, emitted = verify_block(
+            out.logits[0], drafts, sampling, uniforms(anchor_position + 1, num_drafts + 1)
+        )
+        proposer.observe(num_drafts, accepted)
 
         emitted = emitted[:remaining]
         for i, tok in enumerate(emitted):
@@ -192,6 +233,7 @@ def decode(
                 done = True
                 break
         tokens.extend(emitted)
+        history.extend(emitted)
         result.acceptance_lengths.append(len(emitted))
         result.draft_lengths.append(num_drafts)
         result.accepted_drafts.append(accepted)
@@ -205,6 +247,7 @@ def decode(
             proposer.accept(None if out.features is None else out.features[:, : accepted + 1])
     _sync(device)
     result.decode_s = time.perf_counter() - t1
+    result.proposer_stats = proposer.stats()
     result.sequences = torch.cat([ids, torch.tensor([tokens], dtype=torch.long, device=device)], dim=1)
     return result
 
@@ -218,23 +261,46 @@ def generate(
     top_p: float = 1.0,
     top_k: int = 0,
     stop_token_ids: Sequence[int] | None = None,
-    block_size: int | None = None,
+    block_size: int | str | None = "auto",
     seed: int | None = None,
     on_tokens: Callable[[list[int]], Any] | None = None,
+    costs: CostModel | None = None,
 ) -> GenerationResult:
     """Lossless speculative generation with a DFlash drafter (or any `Proposer`).
 
     `target` is a `Target` or a transformers causal LM; `stop_token_ids=None` uses the target's EOS ids, `[]`
-    disables stopping. `block_size` may be smaller than the drafter's trained block size. `on_tokens` receives the
-    new token ids after every step (streaming).
+    disables stopping. `block_size="auto"` (default, DFlash drafters): per step, prompt lookup, the drafter or a
+    plain step, and the verify length, chosen by expected tokens per second under `costs` (measured on this machine
+    once and cached when None). An integer verifies that many tokens (anchor included) every step, as the paper
+    does; it may be smaller than the drafter's trained block size. `on_tokens` receives the new token ids after
+    every step (streaming).
     """
     target = _as_target(target)
     sampling = SamplingParams(temperature, top_p, top_k)
-    proposer = DFlashProposer(draft, target) if isinstance(draft, DFlashDraftModel) else draft
-    if not isinstance(proposer, Proposer):
+    auto = block_size is None or block_size == "auto"
+    if isinstance(block_size, str) and not auto:
+        raise GenerationError(f"block_size must be 'auto' or an integer, got {block_size!r}")
+    if isinstance(draft, DFlashDraftModel):
+        if auto:
+            target.check_drafter(draft.config)
+            costs = costs or load_or_measure_costs(target, draft)
+            proposer: Proposer = AdaptiveProposer(draft, target, costs)
+        else:
+            proposer = DFlashProposer(draft, target)
+    elif isinstance(draft, Proposer):
+        proposer = draft
+    else:
         raise TypeError(f"draft must be a DFlashDraftModel or a Proposer, got {type(draft).__name__}")
     return decode(
-        target, proposer, input_ids, max_new_tokens, sampling, stop_token_ids, block_size, seed, on_tokens
+        target,
+        proposer,
+        input_ids,
+        max_new_tokens,
+        sampling,
+        stop_token_ids,
+        None if auto else block_size,
+        seed,
+        on_tokens,
     )
 
 

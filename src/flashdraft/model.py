@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import CONFIG_NAME, SLIDING_ATTENTION, WEIGHTS_NAME, DFlashConfig, DFlashConfigError
+from .files import atomic_write
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -382,9 +383,7 @@ class DFlashDraftModel(nn.Module):
         dtype = dtype or self.fc.weight.dtype
         state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in self.state_dict().items()}
         self.config.dtype = next(name for name, dt in _DTYPES.items() if dt == dtype)
-        tmp = path / (WEIGHTS_NAME + ".tmp")
-        save_file(state, str(tmp), metadata={"format": "pt"})
-        tmp.replace(path / WEIGHTS_NAME)
+        atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
         self.config.save_pretrained(path)
 
     @classmethod
@@ -439,11 +438,22 @@ class DFlashDraftModel(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
+def load_drafter_config(path: str | Path) -> DFlashConfig:
+    """The drafter's config alone (no weights): for checks before anything heavy is loaded."""
+    return DFlashConfig.from_pretrained(_resolve_draft_path(path))
+
+
 def _resolve_draft_path(path: str | Path) -> str:
     """A local directory, or a hub id resolved through huggingface_hub when available (online users)."""
     p = Path(path)
+    if p.is_file():
+        raise DFlashCheckpointError(
+            f"drafter {str(path)!r} is a file; give the drafter's directory (with config.json and model.safetensors)"
+        )
     if p.exists():
         return str(p)
+    if str(path).startswith(("/", "./", "../", "~")) or str(path).count("/") != 1:
+        raise DFlashCheckpointError(f"drafter directory {str(path)!r} does not exist")
     try:
         from huggingface_hub import snapshot_download
 

@@ -16,6 +16,7 @@ built under a temporary name and renamed into place, so a killed fetch never lea
 from __future__ import annotations
 
 import contextlib
+import difflib
 import hashlib
 import json
 import logging
@@ -211,7 +212,21 @@ def resolve_model(name_or_path: str, auto_fetch: bool = True) -> str:
     local = Path(name_or_path).expanduser()
     if local.exists():
         return str(local)
+    if _looks_like_path(name_or_path):
+        raise PackError(f"model directory {name_or_path!r} does not exist")
+    if "/" not in name_or_path:
+        # Hub ids are `org/name`; a bare word is a mistyped pack name (asking the hub would retry for a minute).
+        close = difflib.get_close_matches(name_or_path.strip().lower(), list(PACKS), n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise PackError(
+            f"unknown model {name_or_path!r}: not a model pack, a local directory or a hub id (org/name). "
+            f"{hint}Known packs: {', '.join(sorted(PACKS))}"
+        )
     return name_or_path  # a Hugging Face hub id: transformers resolves it as usual
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or os.sep + os.sep in name or name.endswith(os.sep)
 
 
 # ------------------------------------------------------------------------------------------- downloading
@@ -363,9 +378,16 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .files import new_file_mode
+    from .progress import quiet_libraries
+
+    quiet_libraries()
     src, fname = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=fname)
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=fname, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=fname)
+        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=fname, dtype=torch.float32)
+    except ImportError as e:  # a missing optional dependency of transformers' GGUF loader
+        raise PackError(f"cannot convert {fname}: {e}") from None
     # transformers refuses to save a GGUF-loaded model ("quantized with gguf, not serializable") although
     # its weights are already plain fp32 tensors: drop the quantizer and its config entry before saving.
     model.hf_quantizer = None
@@ -377,6 +399,11 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         tokenizer.model_max_length = max_len
     model.save_pretrained(out_dir)  # also writes generation_config.json
     tokenizer.save_pretrained(out_dir)
+    for (
+        f
+    ) in out_dir.iterdir():  # safetensors writes 0600 files; a model cache is as readable as any other file
+        if f.is_file():
+            f.chmod(new_file_mode())
 
 
 def _write_marker(directory: Path, pack: ModelPack) -> None:

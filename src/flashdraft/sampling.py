@@ -1,15 +1,22 @@
 """Target-side sampling and block verification.
 
-Why verification is lossless at any temperature: the drafter proposes greedily, so its proposal distribution q is
-one-hot on the draft token x. Speculative sampling then accepts x with probability min(1, p(x)/q(x)) = p(x) and,
-on rejection, samples from the residual max(p - q, 0) = p with x removed, renormalised. The emitted token is
-therefore distributed exactly as p, the target's (temperature/top-k/top-p processed) distribution. Temperature,
-top-k and top-p are applied to the target only; they never touch the draft.
+Sampling: the token at output position i is the inverse-CDF draw of the target's (temperature/top-k/top-p
+processed) distribution at the uniform u_i = U(seed, i), one uniform per absolute position. Verification samples
+the target's token at every position of the block with those same uniforms and accepts the longest prefix of drafts
+equal to the target's samples, plus the target's sample after it.
+
+Why this is lossless, and more: the emitted token at every position is the target's own sample there, drawn with a
+uniform that depends only on (seed, position), given a prefix that is the output itself. So the output is exactly
+what plain sampling with the same seed produces, token for token, whatever was proposed; a proposal only decides how
+many positions one target forward settles. A draft x is accepted with probability p(x), as in speculative sampling
+with a one-hot (greedy) proposal. Temperature, top-k and top-p are applied to the target only; they never touch the
+draft.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 import torch
@@ -57,50 +64,47 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits.softmax(-1)
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token from a [V] logit vector."""
+def position_uniforms(seed: int, start: int, count: int) -> torch.Tensor:
+    """[count] float64 uniforms in [0, 1) for absolute positions start .. start+count-1 (one stream per position)."""
+    return torch.tensor(
+        [random.Random((seed << 24) ^ pos).random() for pos in range(start, start + count)],
+        dtype=torch.float64,
+    )
+
+
+def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """[n] tokens: for each row of `probs` [n, V], the first token whose cumulative probability exceeds u * total.
+    A zero-probability token is never chosen (its cumulative sum equals its predecessor's)."""
+    cdf = probs.double().cumsum(-1)
+    x = uniforms.to(cdf.device)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, uniform: torch.Tensor | None) -> int:
+    """One token from a [V] logit vector (`uniform`: a [1] tensor from `position_uniforms`; unused when greedy)."""
     if params.greedy:
         return int(logits.argmax(-1))
-    probs = target_probs(logits, params)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(inverse_cdf_sample(target_probs(logits[None], params), uniform)[0])
 
 
 def verify_block(
     logits: torch.Tensor,
     draft_tokens: torch.Tensor,
     params: SamplingParams,
-    generator: torch.Generator | None,
+    uniforms: torch.Tensor | None,
 ) -> tuple[int, list[int]]:
-    """Accept the longest valid prefix of `draft_tokens` and add one token of the target's own.
+    """Accept the longest prefix of `draft_tokens` equal to the target's own tokens, and add the target's next one.
 
     logits:       [n + 1, V] target logits at the anchor and the n draft positions
-    draft_tokens: [n] proposed tokens (greedy draft: a one-hot proposal)
-    Returns (number of accepted drafts a, emitted tokens = draft_tokens[:a] + [bonus]).
+    draft_tokens: [n] proposed tokens
+    uniforms:     [n + 1] the uniforms of the n + 1 output positions these logits decide (sampling only)
+    Returns (number of accepted drafts a, emitted tokens = draft_tokens[:a] + [target token]).
     """
     n = draft_tokens.shape[0]
     if params.greedy:
         target_tokens = logits.argmax(-1)
-        matches = (target_tokens[:n] == draft_tokens).int()
-        a = int(matches.cumprod(0).sum())
-        return a, target_tokens[: a + 1].tolist()
-
-    probs = target_probs(logits, params)
-    if n:
-        p_draft = probs[torch.arange(n, device=probs.device), draft_tokens]
-        u = torch.rand(n, generator=generator, device=probs.device)
-        a = int((u < p_draft).int().cumprod(0).sum())
     else:
-        a = 0
-    if a < n:
-        residual = probs[a].clone()
-        residual[draft_tokens[a]] = 0.0
-        total = residual.sum()
-        # total == 0 would mean p(x) == 1, in which case x is always accepted; keep the guard for rounding.
-        bonus = (
-            int(torch.multinomial(residual / total, 1, generator=generator))
-            if total > 0
-            else int(draft_tokens[a])
-        )
-    else:
-        bonus = int(torch.multinomial(probs[n], 1, generator=generator))
-    return a, [*draft_tokens[:a].tolist(), bonus]
+        target_tokens = inverse_cdf_sample(target_probs(logits, params), uniforms)
+    matches = (target_tokens[:n] == draft_tokens.to(target_tokens.device)).int()
+    a = int(matches.cumprod(0).sum())
+    return a, target_tokens[: a + 1].tolist()

@@ -247,40 +247,7 @@ class Target:
     # ------------------------------------------------------------------ compatibility checks
     def check_drafter(self, draft_config: Any) -> None:
         """Refuse a drafter that was not made for this target, naming the mismatch."""
-        c = draft_config
-        if c.hidden_size != self.hidden_size:
-            raise DraftTargetMismatchError(
-                f"drafter hidden size {c.hidden_size} != target hidden size {self.hidden_size}: "
-                f"this drafter was made for a different target than {self.name}"
-            )
-        bad = [i for i in c.target_layer_ids if not 0 <= i < self.num_layers]
-        if bad:
-            raise DraftTargetMismatchError(
-                f"drafter taps target layers {bad}, but {self.name} has only {self.num_layers} decoder layers "
-                f"(valid ids 0..{self.num_layers - 1})"
-            )
-        if not 0 <= c.mask_token_id < self.vocab_size:
-            raise DraftTargetMismatchError(
-                f"drafter mask_token_id {c.mask_token_id} is outside the target's embedding rows (0..{self.vocab_size - 1})"
-            )
-        if c.vocab_size != self.vocab_size:
-            raise DraftTargetMismatchError(
-                f"vocabulary mismatch: drafter expects {c.vocab_size} tokens, target has {self.vocab_size}"
-            )
-        if c.num_target_layers != self.num_layers:
-            warnings.warn(
-                f"drafter was made for a {c.num_target_layers}-layer target, {self.name} has {self.num_layers} layers; "
-                "acceptance will likely be low",
-                stacklevel=2,
-            )
-        trained_for = (getattr(c, "flashdraft", None) or {}).get("target")
-        if (
-            trained_for
-            and self.name
-            and trained_for not in (self.name,)
-            and not str(self.name).endswith(trained_for)
-        ):
-            log.info("drafter was trained for %s, target is %s", trained_for, self.name)
+        check_drafter_fits(draft_config, self.hidden_size, self.num_layers, self.vocab_size, self.name)
 
     # ------------------------------------------------------------------ prompts
     def encode_prompt(
@@ -310,6 +277,99 @@ class Target:
         return torch.tensor([ids], dtype=torch.long, device=self.device)
 
 
+def check_drafter_fits(
+    draft_config: Any, hidden_size: int, num_layers: int, vocab_size: int, target_name: str | None
+) -> None:
+    """Refuse a drafter whose config does not fit a target of these sizes (vocab_size = embedding rows).
+
+    Needs only the two configs, so the CLI runs it before any weights are loaded."""
+    c, name = draft_config, target_name or "the target"
+    if c.hidden_size != hidden_size:
+        raise DraftTargetMismatchError(
+            f"drafter hidden size {c.hidden_size} != target hidden size {hidden_size}: "
+            f"this drafter was made for a different target than {name}"
+        )
+    bad = [i for i in c.target_layer_ids if not 0 <= i < num_layers]
+    if bad:
+        raise DraftTargetMismatchError(
+            f"drafter taps target layers {bad}, but {name} has only {num_layers} decoder layers "
+            f"(valid ids 0..{num_layers - 1})"
+        )
+    if not 0 <= c.mask_token_id < vocab_size:
+        raise DraftTargetMismatchError(
+            f"drafter mask_token_id {c.mask_token_id} is outside the target's embedding rows (0..{vocab_size - 1})"
+        )
+    if c.vocab_size != vocab_size:
+        raise DraftTargetMismatchError(
+            f"vocabulary mismatch: drafter expects {c.vocab_size} tokens, target has {vocab_size}"
+        )
+    if c.num_target_layers != num_layers:
+        warnings.warn(
+            f"drafter was made for a {c.num_target_layers}-layer target, {name} has {num_layers} layers; "
+            "acceptance will likely be low",
+            stacklevel=3,
+        )
+    trained_for = (getattr(c, "flashdraft", None) or {}).get("target")
+    if (
+        trained_for
+        and target_name
+        and trained_for != target_name
+        and not str(target_name).endswith(trained_for)
+    ):
+        log.info("drafter was trained for %s, target is %s", trained_for, target_name)
+
+
+def check_drafter_fits_config(draft_config: Any, target_config: Any, target_name: str | None) -> None:
+    """`check_drafter_fits` from a Hugging Face config of the target (no weights needed)."""
+    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    check_drafter_fits(
+        draft_config, int(tc.hidden_size), int(tc.num_hidden_layers), int(tc.vocab_size), target_name
+    )
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A torch dtype from its name (`float32`, `bfloat16`, `float16`, also `fp32`/`bf16`/`fp16`); None stays None."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    aliases = {
+        "fp32": "float32",
+        "bf16": "bfloat16",
+        "fp16": "float16",
+        "half": "float16",
+        "float": "float32",
+    }
+    name = str(dtype).strip().lower().removeprefix("torch.")
+    name = aliases.get(name, name)
+    if name not in DTYPES:
+        raise TargetError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def parse_device(device: str | torch.device | None) -> torch.device:
+    """A usable torch device (default: cuda when available, else cpu); a clear error for one this machine lacks."""
+    if device is None:
+        return torch.device(default_device())
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise TargetError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise TargetError(
+                f"device {device!r} asked for, but this torch ({torch.__version__}) sees no CUDA GPU; use --device cpu"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise TargetError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    elif dev.type != "cpu" and dev.type != "mps":
+        raise TargetError(f"unsupported device {device!r}; use cpu or cuda")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise TargetError(f"device {device!r} asked for, but MPS is not available here")
+    return dev
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -330,16 +390,15 @@ def load_target(
 
     from .packs import resolve_model
 
+    device = parse_device(device)
+    dtype = parse_dtype(dtype) or default_dtype(device)
     path = resolve_model(name_or_path, auto_fetch=auto_fetch)
-    device = device or default_device()
-    if isinstance(dtype, str):
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    dtype = dtype or default_dtype(device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except OSError as e:
-        raise TargetError(f"cannot load target {name_or_path!r}: {e}") from None
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TargetError(f"cannot load target {name_or_path!r}: {first}") from None
     return Target(model.to(device), tokenizer, name=name_or_path)
 
 

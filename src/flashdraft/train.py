@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .files import atomic_write, atomic_write_text
 from .model import DFlashDraftModel
 from .progress import progress_bar
 from .target import Target
@@ -246,9 +247,7 @@ def _dist_info() -> tuple[int, int]:
 
 
 def _atomic_torch_save(obj: Any, path: Path) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
 class Trainer:
@@ -457,11 +456,25 @@ class Trainer:
         torch.set_rng_state(state["rng"])
         return True
 
+    def _truncate_log(self, step: int) -> None:
+        """Drop log lines a killed run wrote past its last checkpoint: the resumed run logs those steps again."""
+        if not self.log_path.exists():
+            return
+        kept = []
+        for line in self.log_path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by the kill
+        atomic_write_text(self.log_path, "".join(f"{line}\n" for line in kept))
+
     # ------------------------------------------------------------------ the loop
     def fit(self, resume: bool = False, stop_after: int | None = None) -> list[dict[str, Any]]:
         """Train to `total_steps` (or `stop_after` more steps, used by tests to simulate a killed run)."""
         if resume and self.load_checkpoint() and self.rank == 0:
             print(f"resumed from {self.ckpt_path} at step {self.step}/{self.total_steps}")
+            self._truncate_log(self.step)
         if self.rank == 0:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         history: list[dict[str, Any]] = []
@@ -531,18 +544,16 @@ def evaluate_tau(
     for name in datasets:
         bench = load_bench_dataset(name, max_samples=max_samples, seed=0)
         taus, tokens, seconds = [], 0, 0.0
-        iterator = bench.conversations
-        if progress:
-            from rich.progress import track
-
-            iterator = track(iterator, description=f"τ on {bench.name}")
-        for conv in iterator:
-            ids = target.encode_prompt(conv.user_turns[0], enable_thinking=enable_thinking, system=system)
-            res = generate(target, draft, ids, max_new_tokens, block_size=block_size)
-            if res.num_steps:  # an answer that ends on its first token has no verify step, hence no τ
-                taus.append(res.mean_acceptance_length)
-            tokens += res.num_new_tokens
-            seconds += res.total_s
+        with progress_bar(progress, unit="prompts") as bar:
+            task = bar.add_task(f"τ on {bench.name}", total=len(bench.conversations))
+            for conv in bench.conversations:
+                ids = target.encode_prompt(conv.user_turns[0], enable_thinking=enable_thinking, system=system)
+                res = generate(target, draft, ids, max_new_tokens, block_size=block_size)
+                if res.num_steps:  # an answer that ends on its first token has no verify step, hence no τ
+                    taus.append(res.mean_acceptance_length)
+                tokens += res.num_new_tokens
+                seconds += res.total_s
+                bar.advance(task)
         results[bench.name] = {
             "tau": sum(taus) / len(taus) if taus else float("nan"),
             "prompts": len(taus),

@@ -1,0 +1,62 @@
+"""Bad input is one line, never a traceback: the error types that mean it, and how commands report them."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean bad input (or a missing resource): shown as one line, never as a traceback."""
+    from .bench import BenchError
+    from .config import DFlashConfigError
+    from .data import DataError
+    from .datasets import DatasetError
+    from .generate import GenerationError
+    from .model import DFlashCheckpointError
+    from .packs import PackError
+    from .prompts import PromptFormatError
+    from .sampling import SamplingError
+    from .target import TargetError
+
+    return (
+        BenchError,
+        DataError,
+        DatasetError,
+        DFlashConfigError,
+        DFlashCheckpointError,
+        GenerationError,
+        PackError,
+        PromptFormatError,
+        SamplingError,
+        TargetError,
+        FileNotFoundError,
+    )
+
+
+def print_error(error: BaseException) -> None:
+    """`error: <message>` on stderr, on one line (logs and scripts read it), markup off so paths print as they are."""
+    from rich.console import Console
+
+    Console(stderr=True).print(
+        f"error: {error}".replace("\n", " "), style="bold red", markup=False, soft_wrap=True
+    )
+
+
+def one_line_errors(command: F) -> F:
+    """Wrap a CLI command: a user error prints one line and exits with status 2."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        import typer
+
+        try:
+            return command(*args, **kwargs)
+        except user_errors() as e:
+            print_error(e)
+            raise typer.Exit(2) from None
+
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,167 @@
+"""First-run behaviour: bad input is one clear line, found before any model is loaded; output is readable."""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import VOCAB, tiny_config
+from flashdraft import DFlashDraftModel, GenerationError, Target, generate
+from flashdraft.cli import app
+from flashdraft.packs import PACKS, PackError, resolve_model
+from flashdraft.target import TargetError, load_target, parse_device, parse_dtype
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """A target directory holding only a config (enough for every pre-load check) and a drafter for it."""
+    root = tmp_path_factory.mktemp("cli")
+    config = tiny_config("llama")
+    target = root / "target"
+    config.save_pretrained(target)
+    draft = root / "draft"
+    DFlashDraftModel.for_target(config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1).save_pretrained(
+        draft
+    )
+    wrong = root / "wrong-draft"
+    other = tiny_config("llama", hidden_size=128)
+    DFlashDraftModel.for_target(other, num_layers=1, block_size=8, mask_token_id=VOCAB - 1).save_pretrained(
+        wrong
+    )
+    return {"target": target, "draft": draft, "wrong": wrong}
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail loudly if a command gets as far as loading weights."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr("flashdraft.target.load_target", refuse)
+    monkeypatch.setattr(DFlashDraftModel, "from_pretrained", refuse)
+
+
+def _generate_args(dirs, **change):
+    args = {"--target": str(dirs["target"]), "--draft": str(dirs["draft"])}
+    args.update(change)
+    return [x for kv in args.items() for x in kv]
+
+
+CASES = [
+    ({"--dtype": "foo"}, "unknown dtype 'foo'"),
+    ({"--temperature": "-1"}, "temperature"),
+    ({"--top-p": "0"}, "top_p"),
+    ({"--top-k": "-2"}, "top_k"),
+    ({"--block-size": "9"}, "drafter's block size 8"),
+    ({"--max-new-tokens": "0"}, "max-new-tokens"),
+    ({"--threads": "0"}, "--threads"),
+    ({"--target": "nosuchmodel"}, "Known packs"),
+    ({"--target": "smolm2-135m-instruct"}, "did you mean 'smollm2-135m-instruct'"),
+    ({"--target": "./no/such/dir"}, "does not exist"),
+    ({"--draft": "DRAFT_FILE"}, "is a file"),
+    ({"--draft": "/no/such/drafter"}, "does not exist"),
+    ({"--draft": "WRONG"}, "hidden size 128"),
+]
+if not torch.cuda.is_available():
+    CASES.append(({"--device": "cuda"}, "sees no CUDA GPU"))
+
+
+@pytest.mark.parametrize(("change", "message"), CASES, ids=[c[1][:20] for c in CASES])
+def test_generate_bad_input_is_one_line_before_any_load(dirs, no_model_load, change, message):
+    change = {
+        k: {"DRAFT_FILE": str(dirs["draft"] / "model.safetensors"), "WRONG": str(dirs["wrong"])}.get(v, v)
+        for k, v in change.items()
+    }
+    result = CliRunner().invoke(app, ["generate", *_generate_args(dirs, **change), "What is 2+2?"])
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit), result.exception
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
+
+
+def test_generate_empty_prompt(dirs, no_model_load):
+    result = CliRunner().invoke(app, ["generate", *_generate_args(dirs), "  "])
+    assert result.exit_code == 2 and result.output.strip() == "error: the prompt is empty"
+
+
+def test_api_rejects_text_float_and_bool_ids(models):
+    model = models["llama"]
+    draft = DFlashDraftModel.for_target(model.config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1)
+    target = Target(model)
+    for bad, message in [
+        ("What is 2+2?", "not text"),
+        (torch.tensor([[1.0, 2.0]]), "dtype torch.float32"),
+        (torch.tensor([[True, False]]), "dtype torch.bool"),
+        ([1, 2.5], "found 2.5"),
+        ([[1, 2], [3]], "list of token ids"),
+    ]:
+        with pytest.raises(GenerationError, match=message):
+            generate(target, draft, bad, 4)
+
+
+def test_load_target_dtype_device_and_names_fail_fast():
+    with pytest.raises(TargetError, match="unknown dtype 'fp33'"):
+        parse_dtype("fp33")
+    assert parse_dtype("bf16") == torch.bfloat16 and parse_dtype(None) is None
+    with pytest.raises(TargetError, match="unknown device"):
+        parse_device("tpu:x")
+    if not torch.cuda.is_available():
+        with pytest.raises(TargetError, match="no CUDA GPU"):
+            load_target("smollm2-135m-instruct", device="cuda")  # before the pack is even looked at
+    with pytest.raises(PackError, match="Known packs"):
+        resolve_model("llama-tiny")
+
+
+def test_models_list_never_truncates_pack_names():
+    result = CliRunner().invoke(app, ["models", "list"], env={"COLUMNS": "80"}, terminal_width=80)
+    assert result.exit_code == 0, result.output
+    for name in PACKS:
+        assert name in result.output
+
+
+def test_exported_files_get_the_normal_file_mode(tmp_path):
+    draft = DFlashDraftModel.for_target(
+        tiny_config("llama"), num_layers=1, block_size=4, mask_token_id=VOCAB - 1
+    )
+    draft.save_pretrained(tmp_path / "d")
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("model.safetensors", "config.json"):
+        assert stat.S_IMODE((tmp_path / "d" / name).stat().st_mode) == 0o666 & ~umask, name
+
+
+def test_progress_prints_plain_lines_when_not_a_terminal():
+    from rich.console import Console
+
+    from flashdraft.progress import progress_bar
+
+    buf = io.StringIO()
+    with progress_bar(unit="prompts", console=Console(file=buf, force_terminal=False), interval_s=0) as bar:
+        task = bar.add_task("bench", total=4)
+        for _ in range(4):
+            bar.advance(task)
+    lines = buf.getvalue().strip().splitlines()
+    assert lines[0].startswith("bench: 0/4 prompts (0 %)")
+    assert any(line.startswith("bench: 2/4 prompts (50 %)") for line in lines)
+    assert lines[-1].startswith("bench: 4/4 prompts (100 %)") and "left" not in lines[-1]
+    assert sum(line.startswith("bench: 4/4") for line in lines) == 1  # the final line once
+
+
+def test_progress_is_rate_limited_when_not_a_terminal():
+    from rich.console import Console
+
+    from flashdraft.progress import progress_bar
+
+    buf = io.StringIO()
+    with progress_bar(console=Console(file=buf, force_terminal=False), interval_s=3600) as bar:
+        task = bar.add_task("train", total=1000)
+        for _ in range(999):
+            bar.advance(task)
+    lines = buf.getvalue().strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("train: 0/1000") and lines[1].startswith("train: 999/1000")

@@ -1,0 +1,116 @@
+"""The cost-aware verify length: hand-checked expectations, a synthetic cost model and scripted confidences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import VOCAB
+from flashdraft import DFlashDraftModel, Target, generate, generate_ar
+from flashdraft.costs import CostModel, measure_costs
+from flashdraft.policy import AcceptanceTable, best_verify_length, expected_tokens
+from flashdraft.proposers import AdaptiveProposer, prompt_lookup
+
+
+def cpu_like_costs(block: int = 8, draft_s: float = 0.2) -> CostModel:
+    """A plain step costs 1; verifying n tokens costs 1 + 0.1 (n - 1); a draft pass costs `draft_s`."""
+    lengths = list(range(1, block + 1))
+    return CostModel(
+        lengths=lengths,
+        verify_base=[1.0 + 0.1 * (n - 1) for n in lengths],
+        verify_slope=[0.0] * block,
+        draft_base=draft_s,
+    )
+
+
+def test_expected_tokens_by_hand():
+    e = expected_tokens(torch.tensor([0.5, 0.5, 1.0]))
+    assert e.tolist() == pytest.approx([1.0, 1.5, 1.75, 2.0])
+
+
+def test_best_length_hopeless_and_perfect():
+    costs = cpu_like_costs()
+    step = costs.step_s(7, context=100, propose_s=costs.draft_s(100))
+    assert best_verify_length(torch.full((7,), 0.01), step)[0] == 0
+    assert best_verify_length(torch.ones(7), step)[0] == 7
+    # confident first slots, hopeless afterwards: verify exactly the confident run
+    p = torch.tensor([0.95, 0.95, 0.95, 0.02, 0.02, 0.02, 0.02])
+    assert best_verify_length(p, step)[0] == 3
+
+
+def test_cost_model_interpolates_and_grows_with_context():
+    costs = CostModel(lengths=[1, 4, 16], verify_base=[1.0, 1.6, 2.5], verify_slope=[0.001, 0.002, 0.004])
+    assert float(costs.verify_s(1, 0)) == pytest.approx(1.0)
+    assert float(costs.verify_s(2, 0)) == pytest.approx(1.2)
+    assert float(costs.verify_s(16, 1000)) == pytest.approx(6.5)
+    assert CostModel.from_dict(costs.to_dict()) == costs
+
+
+def test_acceptance_table_counts_only_trials():
+    table = AcceptanceTable([0.5, 0.5, 0.5], prior_weight=2.0)
+    table.update(
+        torch.tensor([0, 1, 2]), num_verified=3, num_accepted=1
+    )  # slot 0 hit, slot 1 miss, 2 untried
+    assert table.p(torch.tensor([0, 1, 2])).tolist() == pytest.approx([2 / 3, 1 / 3, 0.5])
+
+
+def test_prompt_lookup_takes_the_latest_longest_match():
+    tokens = [5, 6, 7, 1, 2, 5, 6, 7, 3, 4, 9, 6, 7]
+    assert prompt_lookup(tokens, 3) == ([3, 4, 9], 2)  # "6 7" last seen at 6..7, followed by 3 4 9
+    assert prompt_lookup([1, 2, 3], 4) == ([], 0)
+
+
+@pytest.fixture
+def tiny(models):
+    model = models["llama"]
+    draft = DFlashDraftModel.for_target(model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1)
+    return Target(model), draft.eval()
+
+
+def scripted(target, draft, costs, confidence: float, truth: list[int] | None = None) -> AdaptiveProposer:
+    """The adaptive proposer without prompt lookup, its drafter reporting `confidence` for every slot (and
+    proposing the tokens of `truth`, the whole greedy sequence, when given)."""
+    proposer = AdaptiveProposer(draft, target, costs, lookup=False)
+    real = proposer.dflash.draft_confidences
+
+    def fake(anchor, position, n):
+        tokens, _ = real(anchor, position, n)
+        if truth is not None:
+            tokens = torch.tensor((truth[position + 1 :] + [0] * n)[:n])
+        return tokens, torch.full((n,), confidence)
+
+    proposer.dflash.draft_confidences = fake
+    return proposer
+
+
+def test_policy_skips_drafting_when_hopeless_and_probes_back(tiny):
+    target, draft = tiny
+    ids = torch.arange(3, 20)[None]
+    proposer = scripted(target, draft, cpu_like_costs(), 0.001)
+    res = generate(target, proposer, ids, 60, stop_token_ids=[])
+    stats = res.proposer_stats["steps_by_source"]
+    # mostly plain steps, with probes 1, 2, 4, 8, .. steps apart
+    assert stats["plain"] > 3 * stats["dflash"] and stats["dflash"] >= 3, stats
+    assert all(n == 0 for n in res.draft_lengths)
+    assert res.new_tokens == generate_ar(target, ids, 60, stop_token_ids=[]).new_tokens
+
+
+def test_policy_verifies_the_full_block_when_sure(tiny):
+    target, draft = tiny
+    ids = torch.arange(3, 20)[None]
+    free = CostModel(lengths=[1, 8], verify_base=[1.0, 1.0], verify_slope=[0.0, 0.0], draft_base=0.01)
+    reference = generate_ar(target, ids, 40, stop_token_ids=[])
+    truth = ids[0].tolist() + reference.new_tokens
+    res = generate(target, scripted(target, draft, free, 0.999, truth), ids, 40, stop_token_ids=[])
+    remaining = [40 - 1 - sum(res.acceptance_lengths[:i]) for i in range(res.num_steps)]
+    # it drafts at every step that may verify anything (the last one may add only the target's token)
+    assert res.proposer_stats["steps_by_source"]["dflash"] == sum(r > 1 for r in remaining)
+    assert res.draft_lengths == [min(7, r - 1) for r in remaining]
+    assert res.new_tokens == reference.new_tokens and res.mean_acceptance_length > 7
+
+
+def test_measured_costs_are_positive_and_cover_the_block(tiny):
+    target, draft = tiny
+    costs = measure_costs(target, draft, lengths=(1, 2, 8), contexts=(16, 48), repeats=1)
+    assert costs.lengths == [1, 2, 8] and costs.draft_dtype in ("float32", "bfloat16")
+    assert all(float(costs.verify_s(n, 32)) > 0 for n in (1, 3, 8)) and costs.draft_s(32) > 0
