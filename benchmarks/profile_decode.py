@@ -2,7 +2,8 @@
 
     python benchmarks/profile_decode.py --target smollm2-135m-instruct --draft drafters/smollm2-135m-instruct
 
-Prints median times of: a plain one-token target step, the draft pass (B query tokens + LM head on B-1 slots),
+Prints median times of: a plain one-token target step, the draft pass (B query tokens + LM head on B-1 slots, in
+`--draft-dtype`, bf16 by default as the cost model picks on CPUs with fast bf16),
 the target's verify pass over B tokens, the cache rollback, and the break-even τ = (draft + verify) / plain step:
 the mean acceptance length above which speculation is faster than plain decoding on this machine. A torch.profiler
 table of one full `generate` call follows (top operators by self CPU time).
@@ -37,6 +38,11 @@ def main() -> None:
     ap.add_argument("--block-sizes", default="4,8,16")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument(
+        "--draft-dtype",
+        default="bfloat16",
+        help="precision of the drafter and its head copy (float32|bfloat16)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
@@ -52,13 +58,13 @@ def main() -> None:
         target.crop(cache, args.context)
 
     t_plain = median_time(plain_step, args.repeats)
-    print(f"machine threads={args.threads}, context={args.context} tokens")
+    print(f"machine threads={args.threads}, context={args.context} tokens, draft dtype {args.draft_dtype}")
     print(f"plain step (1 token, target forward):            {t_plain * 1e3:8.1f} ms")
     print(
         f"{'B':>3} {'draft ms':>9} {'verify ms':>10} {'rollback ms':>12} {'step/plain':>11} {'break-even τ':>13}"
     )
     for block in (int(b) for b in args.block_sizes.split(",")):
-        proposer = DFlashProposer(draft, target)
+        proposer = DFlashProposer(draft, target, dtype=getattr(torch, args.draft_dtype))
         proposer.start(prefill.features)
         proposer.draft_logits(5, args.context, block - 1)  # absorb the prompt context once
 
@@ -81,11 +87,13 @@ def main() -> None:
         )
 
     prompt = target.encode_prompt("Janet's ducks lay 16 eggs per day. How many eggs in a week?")
-    generate(target, draft, prompt, 16)
+    generate(target, draft, prompt, 16)  # also measures (or loads) the cost model of the default policy
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         res = generate(target, draft, prompt, 64)
+    steps = res.proposer_stats.get("steps_by_source")
     print(
-        f"\ntorch.profiler, one generate() of {res.num_new_tokens} tokens, τ={res.mean_acceptance_length:.2f}:"
+        f"\ntorch.profiler, one generate() (block_size=auto) of {res.num_new_tokens} tokens, "
+        f"τ={res.mean_acceptance_length:.2f}, steps by source {steps}:"
     )
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 

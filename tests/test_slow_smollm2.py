@@ -100,9 +100,11 @@ def test_shipped_drafter_is_lossless_and_accepts(target):
     ids = target.encode_prompt(
         PROMPTS[2] + "\nPlease reason step by step, and put your final answer within \\boxed{}."
     )
-    spec = generate(target, draft, ids, 96)
+    spec = generate(target, draft, ids, 96, block_size=16)  # the paper's fixed block: τ is the drafter's own
+    auto = generate(target, draft, ids, 96)  # the default cost-aware policy
     plain = generate_ar(target, ids, 96)
-    assert spec.new_tokens == plain.new_tokens
+    assert spec.new_tokens == plain.new_tokens == auto.new_tokens
     assert spec.mean_acceptance_length > 1.3  # a random drafter stays at ≈1.0
+    assert auto.proposer_stats["steps_by_source"]["dflash"] > 0
     sampled = generate(target, draft, ids, 32, temperature=0.8, top_p=0.95, seed=0)
-    assert sampled.num_new_tokens > 0
+    assert sampled.new_tokens == generate_ar(target, ids, 32, temperature=0.8, top_p=0.95, seed=0).new_tokens

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 import pytest
 import torch
 
 from conftest import VOCAB, tiny_model
-from flashdraft import DFlashDraftModel, DFlashProposer, Target
+from flashdraft import DFlashDraftModel, DFlashProposer, Target, generate, generate_ar
 from flashdraft.train import (
     default_gamma,
     draft_hidden_for_blocks,
@@ -129,11 +130,12 @@ def test_training_attention_mask_hand_worked():
 
 @pytest.mark.parametrize("sliding", [False, True])
 def test_training_forward_agrees_with_generation_draft_step(models, sliding):
-    """For a sequence and an anchor, the logits of that block from the multi-block training forward equal the
-    logits the engine's draft step produces (prefill to the anchor's context, incremental cache, one block)."""
+    """At every anchor the real decode loop drafted from, the logits of its block in the multi-block training
+    forward (over the finished sequence) equal the logits the engine's draft step produced. The loop is driven for
+    real (a recording proposer), so the context it hands the drafter (prefill, then anchor + accepted drafts per step)
+    is checked, not rebuilt by the test."""
     model = models["qwen3"]
     target = Target(model)
-    extra = {}
     draft = DFlashDraftModel.for_target(
         model.config, num_layers=2, block_size=6, mask_token_id=VOCAB - 1, target_layer_ids=[0, 2, 4], seed=4
     )
@@ -142,25 +144,65 @@ def test_training_forward_agrees_with_generation_draft_step(models, sliding):
         draft.config.sliding_window = 5
         draft.layers[0].layer_type = "sliding_attention"
     draft.eval()
-    torch.manual_seed(0)
-    ids = torch.randint(3, VOCAB - 1, (30,))
-    features = target.forward(ids[None], None, draft.config.target_layer_ids).features[0]
-    anchors = torch.tensor([4, 11, 17, 26])
-    w = slot_weights(6, default_gamma(6))
-    blocks = make_blocks(ids, torch.ones(30, dtype=torch.bool), anchors, 6, draft.config.mask_token_id, w)
-    with torch.no_grad():
-        hidden = draft_hidden_for_blocks(draft, target, features, blocks, num_blocks=4, **extra)
-        train_logits = target.lm_head_logits(hidden).view(4, 6, -1)
 
-    for j, anchor in enumerate(anchors.tolist()):
+    class Recording(DFlashProposer):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.records: list[tuple[int, torch.Tensor]] = []
+
+        def propose(self, anchor_token, anchor_position, num_tokens):
+            logits = self.draft_logits(anchor_token, anchor_position, num_tokens)
+            if num_tokens == 5:  # full blocks only: the training blocks are full
+                self.records.append((anchor_position, logits))
+            # a random drafter is always wrong: propose k true tokens first, so accepted runs of 0..5 happen
+            k = rng.randint(0, num_tokens)
+            truth = torch.tensor(reference[anchor_position + 1 : anchor_position + 1 + k], dtype=torch.long)
+            return torch.cat([truth, logits.argmax(-1)[k:]])
+
+    torch.manual_seed(0)
+    prompt = torch.randint(3, VOCAB - 1, (1, 9))
+    reference = prompt[0].tolist() + generate_ar(target, prompt, 40, stop_token_ids=[]).new_tokens + [0] * 8
+    rng = random.Random(0)
+    proposer = Recording(draft, target)
+    res = generate(target, proposer, prompt, 40, block_size=6, stop_token_ids=[])
+    ids = res.sequences[0]
+    anchors = torch.tensor([a for a, _ in proposer.records])
+    assert len(anchors) >= 5 and anchors[0] == prompt.shape[1]
+    assert len(set(res.accepted_drafts)) >= 3  # rejections and accepted runs of several lengths
+
+    features = target.forward(ids[None], None, draft.config.target_layer_ids).features[0]
+    w = slot_weights(6, default_gamma(6))
+    mask = torch.ones(len(ids), dtype=torch.bool)
+    blocks = make_blocks(ids, mask, anchors, 6, draft.config.mask_token_id, w)
+    with torch.no_grad():
+        hidden = draft_hidden_for_blocks(draft, target, features, blocks, num_blocks=len(anchors))
+        train_logits = target.lm_head_logits(hidden).view(len(anchors), 6, -1)
+    for j, (anchor, engine_logits) in enumerate(proposer.records):
+        torch.testing.assert_close(
+            engine_logits, train_logits[j, 1:], rtol=1e-4, atol=1e-4, msg=f"anchor {anchor}"
+        )
+
+
+def test_a_single_training_block_sees_only_context_before_its_anchor(models):
+    """One anchor (a 2-token answer, or --num-anchors 1) must not take the inference fast path: its block would
+    attend to the whole sequence, its own future included."""
+    model = models["llama"]
+    target = Target(model)
+    draft = DFlashDraftModel.for_target(
+        model.config, num_layers=2, block_size=4, mask_token_id=VOCAB - 1
+    ).eval()
+    ids = torch.randint(3, VOCAB - 1, (20,), generator=torch.Generator().manual_seed(1))
+    features = target.forward(ids[None], None, draft.config.target_layer_ids).features[0]
+    anchor = 9
+    blocks = make_blocks(
+        ids, torch.ones(20, dtype=torch.bool), torch.tensor([anchor]), 4, VOCAB - 1, slot_weights(4, 4.0)
+    )
+    with torch.no_grad():
+        trained = draft_hidden_for_blocks(draft, target, features, blocks, num_blocks=1)
         proposer = DFlashProposer(draft, target)
-        # as in decoding: prefill a prefix, then accepted runs extend the context up to the anchor
-        split = anchor // 2
-        cache = target.new_cache()
-        proposer.start(target.forward(ids[None, :split], cache, proposer.tap_layer_ids).features)
-        proposer.accept(target.forward(ids[None, split:anchor], cache, proposer.tap_layer_ids).features)
-        engine_logits = proposer.draft_logits(int(ids[anchor]), anchor, 5)
-        torch.testing.assert_close(engine_logits, train_logits[j, 1:], rtol=1e-4, atol=1e-4)
+        proposer.start(features[None, :anchor])
+        engine = proposer.draft_logits(int(ids[anchor]), anchor, 3)
+    torch.testing.assert_close(target.lm_head_logits(trained)[1:], engine, rtol=1e-4, atol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------- end-to-end training
@@ -229,7 +271,8 @@ def mean_tau(target, draft, n_prompts: int = 8, seed: int = 123) -> float:
     taus = []
     for _ in range(n_prompts):
         prompt = torch.randint(3, BIGRAM_V - 1, (1, 4), generator=g)
-        taus.append(generate(target, draft, prompt, 40, stop_token_ids=[]).mean_acceptance_length)
+        res = generate(target, draft, prompt, 40, stop_token_ids=[], block_size=draft.block_size)
+        taus.append(res.mean_acceptance_length)
     return sum(taus) / len(taus)
 
 

@@ -518,7 +518,7 @@ class LocalMethods:
                 from .costs import load_or_measure_costs
 
                 self.cost_model = load_or_measure_costs(self.target, self.draft, log=console.print)
-                console.print(self.cost_model.summary())
+                console.print(self.cost_model.summary(), soft_wrap=True)
         self.assistant = None
         if "sd" in cfg.methods:
             self.assistant = load_target(cfg.assistant, dtype=self.target.dtype, device=self.device)
@@ -1412,7 +1412,13 @@ def _machine_lines(machine: dict[str, Any]) -> list[str]:
         f"{machine.get('transformers')}, flashdraft {machine.get('flashdraft')} ({machine.get('platform')})",
     ]
     if machine.get("device"):
-        lines.append(f"- device / dtype: {machine.get('device')} / {machine.get('dtype')}")
+        dtype_note = ""
+        if machine.get("dtype") not in (None, "float32"):
+            dtype_note = (
+                " (below float32, a batched verify and a one-token step round differently: near-ties can flip, so "
+                "outputs may differ from ar; the mismatch count below says how often)"
+            )
+        lines.append(f"- device / dtype: {machine.get('device')} / {machine.get('dtype')}{dtype_note}")
     if machine.get("load_average_end"):
         start = machine.get("load_average_start")
         lines.append(
@@ -1421,6 +1427,15 @@ def _machine_lines(machine: dict[str, Any]) -> list[str]:
             + f"{machine['load_average_end'][0]:.2f} at the end"
         )
     return lines
+
+
+def _cost_model_lines(settings: dict[str, Any]) -> list[str]:
+    """What method dflash's cost-aware policy worked from (measured on this machine before the run)."""
+    if not settings.get("cost_model"):
+        return [f"- dflash verify length: fixed, {settings.get('verify')}"] if settings.get("verify") else []
+    from .costs import CostModel
+
+    return ["- dflash verify length: auto; " + CostModel.from_dict(settings["cost_model"]).summary()]
 
 
 def render_report(results: dict[str, Any]) -> str:
@@ -1443,6 +1458,7 @@ def render_report(results: dict[str, Any]) -> str:
             else f", thinking {'on' if s['enable_thinking'] else 'off'}"
         ),
         *_machine_lines(results["machine"]),
+        *_cost_model_lines(s),
         "- datasets: "
         + "; ".join(
             f"{d['name']} ({d['conversations']} of {d['records']} records, {d['turns']} turns)"
@@ -1726,6 +1742,7 @@ def render_readme_section(results: dict[str, Any], readme_dir: Path) -> str:
         + f"; max_new_tokens {s['max_new_tokens']}, temperature {s['temperature']:g}; run {results['finished']}.",
         "",
         *_machine_lines(results["machine"]),
+        *_cost_model_lines(s),
         "",
         "| dataset | method | prompts | tok/s | TPOT ms | TTFT ms | speedup vs ar | speedup vs hf | τ | equal to ar |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -1736,6 +1753,22 @@ def render_readme_section(results: dict[str, Any], readme_dir: Path) -> str:
             # method table columns: method, prompts, new tokens, tok/s, decode tok/s, TPOT, TTFT, vs ar, vs hf, τ, equal
             keep = [cells[0], cells[1], cells[3], cells[5], cells[6], cells[7], cells[8], cells[9], cells[10]]
             lines.append(f"| {group} |" + "|".join(keep) + "|")
+    verify_lines = []
+    for group, by_method in results["summary"].items():
+        hist = (by_method.get("dflash") or {}).get("verify_length_histogram")
+        if hist and s.get("cost_model"):
+            total = sum(hist.values())
+            shares = ", ".join(
+                f"{n}: {c / total * 100:.0f}%" for n, c in sorted(hist.items(), key=lambda x: int(x[0]))
+            )
+            verify_lines.append(f"- {group}: {shares}")
+    if verify_lines:
+        lines += [
+            "",
+            "Verify lengths chosen by dflash (share of steps verifying n proposals; 0 = a plain step):",
+            "",
+        ]
+        lines += verify_lines
     lines += [
         "",
         (

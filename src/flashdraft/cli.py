@@ -262,6 +262,8 @@ def generate_command(
             f"in {load_s:.1f} s"
         )
     ids = tgt.encode_prompt(prompt, chat=chat, enable_thinking=thinking, system=system)
+    if seed is None and compare_ar:  # sampling is seed-exact: one seed for both runs makes them comparable
+        seed = int(torch.randint(0, 2**31, ()).item())
     kwargs = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     torch.set_grad_enabled(False)
     costs = None
@@ -270,7 +272,7 @@ def generate_command(
 
         costs = load_or_measure_costs(tgt, drafter, log=console.print)
         if verbose:
-            console.print(costs.summary())
+            console.print(costs.summary(), soft_wrap=True)
     if tgt.dtype != torch.float32 and temperature == 0:
         console.print(
             f"[yellow]note:[/] {str(tgt.dtype).removeprefix('torch.')} target: verifying a block and decoding one "
@@ -311,8 +313,7 @@ def generate_command(
         report["ar"] = ar.to_dict()
         report["speedup"] = ar.total_s / res.total_s if res.total_s else None
         report["decode_speedup"] = ar.decode_s / res.decode_s if res.decode_s else None
-        if temperature == 0:
-            report["identical_to_ar"] = ar.new_tokens == res.new_tokens
+        report["identical_to_ar"] = ar.new_tokens == res.new_tokens
     if as_json:
         out.print_json(json.dumps(report))
         return
@@ -342,12 +343,8 @@ def generate_command(
     console.print("τ = tokens per target forward (accepted drafts + 1); plain decoding is 1.")
     if ar is not None:
         line = f"speedup over plain decoding (same run): {report['speedup']:.2f}x"
-        if temperature == 0:
-            line += (
-                " — output identical to plain greedy"
-                if report["identical_to_ar"]
-                else " — OUTPUT DIFFERS FROM AR"
-            )
+        mode = "plain greedy decoding" if temperature == 0 else f"plain sampling with the same seed ({seed})"
+        line += f" — output identical to {mode}" if report["identical_to_ar"] else " — OUTPUT DIFFERS FROM AR"
         console.print(line)
     if untrained:
         console.print(

@@ -256,7 +256,11 @@ class DFlashDraftModel(nn.Module):
         all_context_positions = cache.positions if cache is not None else context_positions
         if all_context_positions is None:
             all_context_positions = block_positions.new_zeros(b, 0)
-        masks = self._attention_masks(block_positions, all_context_positions, num_blocks)
+        # Decoding (one block over a cache of fixed tokens) needs no mask: all of its context precedes the anchor.
+        # Anything else, a single training block over a whole sequence included, gets the masked rule.
+        masks = self._attention_masks(
+            block_positions, all_context_positions, num_blocks, context_before_anchor=cache is not None
+        )
 
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -277,7 +281,11 @@ class DFlashDraftModel(nn.Module):
         return self.norm(x)
 
     def _attention_masks(
-        self, block_positions: torch.Tensor, context_positions: torch.Tensor, num_blocks: int
+        self,
+        block_positions: torch.Tensor,
+        context_positions: torch.Tensor,
+        num_blocks: int,
+        context_before_anchor: bool = False,
     ) -> dict[str, Any]:
         """Boolean [b, 1, q, c+q] masks (True = attend) per layer type, FlexAttention BlockMasks when that backend is
         on, or None where everything is visible.
@@ -289,7 +297,7 @@ class DFlashDraftModel(nn.Module):
         blk = q_len // num_blocks
         need_causal = self.config.causal or SLIDING_ATTENTION in self.config.layer_types
         masks: dict[str, torch.Tensor | None] = {}
-        if num_blocks == 1 and not need_causal:
+        if num_blocks == 1 and not need_causal and context_before_anchor:
             # Inference fast path: one block, and all cached context lies before its anchor by construction.
             return {"full_attention": None, SLIDING_ATTENTION: None}
         device = block_positions.device

@@ -548,7 +548,8 @@ def evaluate_tau(
             task = bar.add_task(f"τ on {bench.name}", total=len(bench.conversations))
             for conv in bench.conversations:
                 ids = target.encode_prompt(conv.user_turns[0], enable_thinking=enable_thinking, system=system)
-                res = generate(target, draft, ids, max_new_tokens, block_size=block_size)
+                # τ is a property of the drafter: measured at a fixed verify length (the paper's), not the policy's
+                res = generate(target, draft, ids, max_new_tokens, block_size=block_size or draft.block_size)
                 if res.num_steps:  # an answer that ends on its first token has no verify step, hence no τ
                     taus.append(res.mean_acceptance_length)
                 tokens += res.num_new_tokens
