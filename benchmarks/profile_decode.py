@@ -12,22 +12,12 @@ table of one full `generate` call follows (top operators by self CPU time).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 
 from flashdraft import DFlashDraftModel, DFlashProposer, generate, load_target
-
-
-def median_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from flashdraft.costs import median_seconds
 
 
 def main() -> None:
@@ -57,7 +47,7 @@ def main() -> None:
         target.forward(ids[:, :1], cache)
         target.crop(cache, args.context)
 
-    t_plain = median_time(plain_step, args.repeats)
+    t_plain = median_seconds(plain_step, args.repeats)
     print(f"machine threads={args.threads}, context={args.context} tokens, draft dtype {args.draft_dtype}")
     print(f"plain step (1 token, target forward):            {t_plain * 1e3:8.1f} ms")
     print(
@@ -75,8 +65,8 @@ def main() -> None:
             target.forward(ids[:, :block], cache, draft.config.target_layer_ids)
             target.crop(cache, args.context)
 
-        t_draft = median_time(draft_pass, args.repeats)
-        t_verify = median_time(verify_pass, args.repeats)
+        t_draft = median_seconds(draft_pass, args.repeats)
+        t_verify = median_seconds(verify_pass, args.repeats)
         target.forward(ids[:, :block], cache)  # rollback of a rejected block: time the crop alone
         t0 = time.perf_counter()
         target.crop(cache, args.context)

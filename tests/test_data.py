@@ -381,3 +381,33 @@ def test_cli(target, files, tmp_path):
     assert r.exit_code == 0, r.output
     ds = TrainingData(tmp_path / "f")
     assert ds[0]["features"].dtype == torch.bfloat16 and ds.manifest["counts"]["prompts"] == 2
+
+
+def test_stdlib_code_prompts_are_many_distinct_and_not_benchmarks(tmp_path):
+    import gzip
+
+    from typer.testing import CliRunner
+
+    from flashdraft.codeprompts import stdlib_code_prompts
+    from flashdraft.data import data_app
+    from flashdraft.prompts import load_conversations
+
+    prompts = stdlib_code_prompts(seed=0)
+    assert len(prompts) > 1000
+    assert len({p["id"] for p in prompts}) == len({p["turns"][0] for p in prompts}) == len(prompts)
+    assert all(p["turns"][0].startswith("Write a Python ") for p in prompts)
+    assert stdlib_code_prompts(limit=20, seed=0) == prompts[:20]
+    assert stdlib_code_prompts(limit=20, seed=1) != prompts[:20]
+    # nothing of HumanEval (evaluation only) leaks in: none of its entry points is a prompted function name
+    humaneval = (
+        Path(__file__).resolve().parents[1] / "src" / "flashdraft" / "benchdata" / "humaneval.jsonl.gz"
+    )
+    with gzip.open(humaneval, "rt") as f:
+        entry_points = {json.loads(line)["entry_point"] for line in f}
+    prompted = {p["id"].rsplit(".", 1)[-1] for p in prompts}
+    assert not entry_points & prompted
+    out = tmp_path / "code.jsonl"
+    result = CliRunner().invoke(data_app, ["code-prompts", "--out", str(out), "--limit", "50"])
+    assert result.exit_code == 0, result.output
+    conversations = list(load_conversations(out))
+    assert len(conversations) == 50 and conversations[0].user_turns[0] == prompts[0]["turns"][0]

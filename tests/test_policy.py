@@ -92,6 +92,8 @@ def test_policy_skips_drafting_when_hopeless_and_probes_back(tiny):
     # mostly plain steps, with probes 1, 2, 4, 8, .. steps apart
     assert stats["plain"] > 3 * stats["dflash"] and stats["dflash"] >= 3, stats
     assert all(n == 0 for n in res.draft_lengths)
+    # probes come after 1, 2, 4, 8, .. skipped steps: with s probes, at most 2^s - 1 skipped steps in between
+    assert stats["plain"] <= 2 ** stats["dflash"] - 1
     assert res.new_tokens == generate_ar(target, ids, 60, stop_token_ids=[]).new_tokens
 
 

@@ -517,7 +517,9 @@ class LocalMethods:
             if self.verify == "auto" and "dflash" in cfg.methods:
                 from .costs import load_or_measure_costs
 
-                self.cost_model = load_or_measure_costs(self.target, self.draft, log=console.print)
+                self.cost_model = load_or_measure_costs(
+                    self.target, self.draft, log=lambda m: console.print(m, soft_wrap=True)
+                )
                 console.print(self.cost_model.summary(), soft_wrap=True)
         self.assistant = None
         if "sd" in cfg.methods:

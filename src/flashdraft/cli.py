@@ -270,7 +270,7 @@ def generate_command(
     if verify == "auto":
         from .costs import load_or_measure_costs
 
-        costs = load_or_measure_costs(tgt, drafter, log=console.print)
+        costs = load_or_measure_costs(tgt, drafter, log=lambda m: console.print(m, soft_wrap=True))
         if verbose:
             console.print(costs.summary(), soft_wrap=True)
     if tgt.dtype != torch.float32 and temperature == 0:

@@ -149,7 +149,8 @@ def load_or_measure_costs(target: Any, draft: Any, cache: bool = True, log: Any 
     return model
 
 
-def _median_s(fn, repeats: int) -> float:
+def median_seconds(fn, repeats: int) -> float:
+    """Median wall time of `fn()` over `repeats` calls after one warm-up (CUDA synchronised)."""
     fn()  # warm-up
     times = []
     for _ in range(repeats):
@@ -192,7 +193,7 @@ def measure_costs(
     for dtype in {weight.dtype, torch.bfloat16}:
         w = weight.to(dtype)
         x = rows.to(dtype)
-        head_s[str(dtype).removeprefix("torch.")] = _median_s(
+        head_s[str(dtype).removeprefix("torch.")] = median_seconds(
             lambda w=w, x=x: torch.nn.functional.linear(x, w), 5
         )
     draft_dtype = min(head_s, key=head_s.get)
@@ -210,11 +211,11 @@ def measure_costs(
                 target.forward(ids[:, c : c + n], cache, taps)
                 target.crop(cache, c)
 
-            times.append(_median_s(verify, repeats))
+            times.append(median_seconds(verify, repeats))
         per_context.append(times)
         proposer.start(prefill.features)
         draft_times.append(
-            _median_s(lambda c=c: proposer.draft_confidences(int(ids[0, c]), c, block - 1), repeats)
+            median_seconds(lambda c=c: proposer.draft_confidences(int(ids[0, c]), c, block - 1), repeats)
         )
     c0, c1 = contexts[0], contexts[-1]
     span = max(c1 - c0, 1)

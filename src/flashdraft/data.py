@@ -33,6 +33,7 @@ import logging
 import math
 import os
 import random
+import sys
 import time
 import warnings
 import zlib
@@ -1097,6 +1098,23 @@ def _make_app():
         c = manifest["counts"]
         typer.echo(
             f"{out}: features of {c['sequences']} sequences ({c['tokens']} tokens), layers {layer_ids}"
+        )
+
+    @app.command("code-prompts")
+    def code_prompts_cmd(
+        out: Path = typer.Option(..., "--out", help="Prompt file to write (.jsonl, z-lab `turns` format)."),
+        limit: int | None = typer.Option(None, "--limit", min=1, help="Keep the first N after shuffling."),
+        seed: int = typer.Option(0, "--seed", help="Shuffle seed."),
+    ) -> None:
+        """Code-writing prompts from the Python standard library's documented functions (PSF licence): input
+        for `regenerate` that shares nothing with HumanEval or MBPP."""
+        from .codeprompts import stdlib_code_prompts
+
+        records = stdlib_code_prompts(limit=limit, seed=seed)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        typer.echo(
+            f"{out}: {len(records)} code prompts from the Python {sys.version.split()[0]} standard library"
         )
 
     return app

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import hashlib
 import json
 import logging
@@ -384,8 +385,9 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     quiet_libraries()
     src, fname = str(gguf_path.parent), gguf_path.name
     try:
-        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=fname)
-        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=fname, dtype=torch.float32)
+        with _quiet_gguf_tqdm():  # our own status line says what is happening
+            tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=fname)
+            model = AutoModelForCausalLM.from_pretrained(src, gguf_file=fname, dtype=torch.float32)
     except ImportError as e:  # a missing optional dependency of transformers' GGUF loader
         raise PackError(f"cannot convert {fname}: {e}") from None
     # transformers refuses to save a GGUF-loaded model ("quantized with gguf, not serializable") although
@@ -404,6 +406,24 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     ) in out_dir.iterdir():  # safetensors writes 0600 files; a model cache is as readable as any other file
         if f.is_file():
             f.chmod(new_file_mode())
+
+
+@contextlib.contextmanager
+def _quiet_gguf_tqdm() -> Iterator[None]:
+    """transformers' GGUF loader draws a bare tqdm bar that its logging switches do not reach."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(gguf_utils, "tqdm", None)
+    if original is not None:
+        gguf_utils.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        if original is not None:
+            gguf_utils.tqdm = original
 
 
 def _write_marker(directory: Path, pack: ModelPack) -> None:

@@ -241,6 +241,7 @@ class AdaptiveProposer(Proposer):
         lookup, lookup_keys, lookup_n, lookup_rate = self._lookup_option(num_tokens, context)
         drafting_pays = self.draft_rate is None or self.draft_rate > plain_rate
         if lookup_n and (lookup_rate >= (self.draft_rate or 0.0) or self.skip_left > 0 or not drafting_pays):
+            self.skip_left = max(0, self.skip_left - 1)  # a skipped drafting step, whoever filled it
             self._last = ("lookup", lookup_keys[:lookup_n])
             self.counts["lookup"] += 1
             return torch.tensor(lookup[:lookup_n], dtype=torch.long, device=device)
