@@ -407,6 +407,65 @@ def train(
     train_command(**{k: v for k, v in locals().items() if k != "train_command"})
 
 
+@app.command("serve")
+@one_line_errors
+def serve_command(
+    target: Annotated[str, typer.Option(help="target: pack name, local path or hub id")],
+    draft: Annotated[
+        Path | None, typer.Option(help="DFlash drafter directory (without it: plain decoding, the baseline)")
+    ] = None,
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = 8000,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="model id clients use (default: --target)")
+    ] = None,
+    max_queue: Annotated[int, typer.Option(help="requests that may wait; more get HTTP 503")] = 64,
+    block_size: Annotated[str, typer.Option(help="auto (cost-aware) or a fixed verify length")] = "auto",
+    dtype: Annotated[str | None, typer.Option(help="float32 | bfloat16 | float16")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu | cuda")] = None,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+) -> None:
+    """Serve the target (with DFlash when --draft is given) behind an OpenAI-compatible API (one sequence decodes
+    at a time; the others wait in a bounded queue)."""
+    import torch
+    import uvicorn
+
+    from .generate import GenerationError
+    from .model import DFlashDraftModel, load_drafter_config
+    from .serve import Engine, build_app
+    from .target import check_drafter_fits_config, load_target, parse_device, parse_dtype
+
+    dev, torch_dtype = parse_device(device), parse_dtype(dtype)
+    verify: int | str = "auto"
+    if block_size != "auto":
+        try:
+            verify = int(block_size)
+        except ValueError:
+            raise GenerationError(f"--block-size must be 'auto' or an integer, got {block_size!r}") from None
+    if max_queue < 1:
+        raise GenerationError(f"--max-queue must be >= 1, got {max_queue}")
+    tgt = load_target(target, dtype=torch_dtype, device=dev)
+    drafter = None
+    if draft is not None:
+        check_drafter_fits_config(load_drafter_config(draft), tgt.model.config, target)
+        drafter = DFlashDraftModel.from_pretrained(draft, dtype=tgt.dtype, device=tgt.device)
+    if threads:
+        torch.set_num_threads(threads)
+    engine = Engine(tgt, drafter, max_queue=max_queue, block_size=verify)
+    if drafter is not None and verify == "auto":
+        from .costs import load_or_measure_costs
+
+        load_or_measure_costs(tgt, drafter, log=lambda m: console.print(m, soft_wrap=True))
+    name = served_model_name or target
+    console.print(
+        f"serving {name!r} ({'DFlash ' + str(draft) if draft else 'plain decoding'}) on http://{host}:{port}/v1"
+    )
+    try:
+        uvicorn.run(build_app(engine, name), host=host, port=port, log_level="warning")
+    finally:
+        engine.close()
+
+
 # --- sub-commands from other modules
 from .data import data_app  # noqa: E402
 

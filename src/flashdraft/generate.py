@@ -194,12 +194,14 @@ def decode(
     tokens = [first]
     _sync(device)
     t1 = time.perf_counter()
-    if on_tokens:
-        on_tokens([first])
     result = GenerationResult(sequences=ids, prompt_length=prompt_len, prefill_s=t1 - t0)
     done = first in stops or max_new_tokens == 1
     if first in stops:
         result.stop_reason = "stop_token"
+    if (
+        on_tokens and on_tokens([first]) is True
+    ):  # the caller has what it needs (a stop string, a client gone)
+        done, result.stop_reason = True, "caller"
 
     # ---- decode
     while not done:
@@ -237,8 +239,8 @@ def decode(
         result.acceptance_lengths.append(len(emitted))
         result.draft_lengths.append(num_drafts)
         result.accepted_drafts.append(accepted)
-        if on_tokens:
-            on_tokens(emitted)
+        if on_tokens and on_tokens(emitted) is True and not done:
+            done, result.stop_reason = True, "caller"
         if len(tokens) >= max_new_tokens:
             done = True
         if not done:
@@ -269,7 +271,8 @@ def generate(
     """Lossless speculative generation with a DFlash drafter (or any `Proposer`).
 
     `target` is a `Target` or a transformers causal LM; `stop_token_ids=None` uses the target's EOS ids, `[]`
-    disables stopping. `block_size="auto"` (default, DFlash drafters): per step, prompt lookup, the drafter or a
+    disables stopping. `on_tokens(new_ids)` sees every step's tokens (streaming); returning True ends the generation
+    there (stop_reason "caller"). `block_size="auto"` (default, DFlash drafters): per step, prompt lookup, the drafter or a
     plain step, and the verify length, chosen by expected tokens per second under `costs` (measured on this machine
     once and cached when None). An integer verifies that many tokens (anchor included) every step, as the paper
     does; it may be smaller than the drafter's trained block size. `on_tokens` receives the new token ids after

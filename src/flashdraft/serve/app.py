@@ -1,0 +1,215 @@
+"""The OpenAI-compatible HTTP layer: `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`, `/metrics`.
+
+Bad input is answered with a 4xx and an OpenAI-style error body, and nothing else is disturbed; a client that goes
+away mid-request cancels it and frees its place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from .engine import Engine, EngineRequest, QueueFullError, RequestHandle
+from .metrics import ServerMetrics
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest
+
+
+def build_app(engine: Engine, model_name: str) -> FastAPI:
+    app = FastAPI(title="flashdraft", docs_url=None, redoc_url=None)
+    metrics = ServerMetrics(model_name)
+    created = int(time.time())
+    target = engine.target
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, e: RequestValidationError) -> JSONResponse:
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", e))
+        if first.get("type") == "json_invalid":
+            message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(
+                ": "
+            )
+        return JSONResponse(APIError(400, message, param=where or None).body(), status_code=400)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "waiting": engine.waiting, "running": engine.running}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "flashdraft"}],
+        }
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(engine.waiting, engine.running), media_type=CONTENT_TYPE_LATEST)
+
+    def check(body: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int]) -> EngineRequest:
+        if body.model != model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}",
+                           "not_found_error", "model")  # fmt: skip
+        field_name = body.unsupported()
+        if field_name:
+            raise APIError(400, f"{field_name} is not supported by this server", param=field_name)
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if max(prompt_ids) >= target.vocab_size or min(prompt_ids) < 0:
+            raise APIError(400, f"prompt token ids must lie in 0..{target.vocab_size - 1}", param="prompt")
+        limit = body.limit or max(1, target.max_context - len(prompt_ids))
+        if len(prompt_ids) + limit > target.max_context:
+            raise APIError(
+                400,
+                f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({limit}) exceeds the model's context of "
+                f"{target.max_context} tokens",
+                param="max_tokens",
+            )
+        stop_strings, stop_ids = body.stop_strings_and_ids()
+        if any(not 0 <= i < target.vocab_size for i in stop_ids):
+            raise APIError(400, f"stop token ids must lie in 0..{target.vocab_size - 1}", param="stop")
+        return EngineRequest(
+            prompt_ids=prompt_ids,
+            max_tokens=limit,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            seed=body.seed,
+            stop_strings=stop_strings,
+            stop_ids=stop_ids,
+        )
+
+    async def run(
+        endpoint: str,
+        body: ChatCompletionRequest | CompletionRequest,
+        prompt_ids: list[int],
+        chunk: Any,
+        final: Any,
+    ) -> Response:
+        request = check(body, prompt_ids)
+        try:
+            handle = engine.submit(request, asyncio.get_running_loop())
+        except QueueFullError as e:
+            metrics.observe(endpoint, 503, None, 0.0)
+            raise APIError(503, str(e), "server_overloaded") from None
+        t0 = time.perf_counter()
+        rid = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                _sse(handle, rid, chunk, final, include_usage, lambda info: metrics.observe(
+                    endpoint, 200, info, time.perf_counter() - t0)),
+                media_type="text/event-stream",
+            )  # fmt: skip
+        pieces: list[str] = []
+        try:
+            while True:
+                kind, value = await handle.events.get()
+                if kind == "text":
+                    pieces.append(value)
+                elif kind == "error":
+                    metrics.observe(endpoint, 500, None, 0.0)
+                    raise APIError(500, value, "server_error")
+                else:
+                    metrics.observe(endpoint, 200, value, time.perf_counter() - t0)
+                    return JSONResponse(final(rid, "".join(pieces), value))
+        finally:
+            handle.cancel()  # no-op when finished; frees the place when the client went away
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest) -> Response:
+        messages = [
+            {"role": m.role if m.role != "developer" else "system", "content": m.content}
+            for m in body.messages
+        ]
+        prompt_ids = target.encode_prompt(messages)[0].tolist()
+
+        def chunk(rid: str, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+            return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model_name,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}  # fmt: skip
+
+        def final(rid: str, text: str, info: dict[str, Any]) -> dict[str, Any]:
+            return {
+                "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "finish_reason": info["finish_reason"], "logprobs": None}],
+                "usage": _usage(info), "spec_decode": info.get("spec_decode"),
+            }  # fmt: skip
+
+        return await run("chat", body, prompt_ids, chunk, final)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Response:
+        if isinstance(body.prompt, str):
+            prompt_ids = target.encode_prompt(body.prompt, chat=False)[0].tolist() if body.prompt else []
+        else:
+            prompt_ids = list(body.prompt)
+        if body.echo:
+            raise APIError(400, "echo is not supported by this server", param="echo")
+
+        def chunk(rid: str, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+            return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
+                    "choices": [{"index": 0, "text": delta.get("content", ""), "finish_reason": finish,
+                                 "logprobs": None}]}  # fmt: skip
+
+        def final(rid: str, text: str, info: dict[str, Any]) -> dict[str, Any]:
+            return {
+                "id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
+                "choices": [{"index": 0, "text": text, "finish_reason": info["finish_reason"], "logprobs": None}],
+                "usage": _usage(info), "spec_decode": info.get("spec_decode"),
+            }  # fmt: skip
+
+        return await run("completion", body, prompt_ids, chunk, final)
+
+    app.state.engine = engine
+    app.state.metrics = metrics
+    return app
+
+
+def _usage(info: dict[str, Any]) -> dict[str, int]:
+    p, c = info["prompt_tokens"], info["completion_tokens"]
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+async def _sse(
+    handle: RequestHandle, rid: str, chunk: Any, final: Any, include_usage: bool, on_done: Any
+) -> AsyncIterator[str]:
+    def event(obj: Any) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    try:
+        yield event(chunk(rid, {"role": "assistant", "content": ""}, None))
+        while True:
+            kind, value = await handle.events.get()
+            if kind == "text":
+                yield event(chunk(rid, {"content": value}, None))
+            elif kind == "error":
+                yield event(APIError(500, value, "server_error").body())
+                break
+            else:
+                on_done(value)
+                last = chunk(rid, {}, value["finish_reason"])
+                last["spec_decode"] = value.get("spec_decode")
+                yield event(last)
+                if include_usage:
+                    usage = chunk(rid, {}, None)
+                    usage["choices"], usage["usage"] = [], _usage(value)
+                    yield event(usage)
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        handle.cancel()  # the client went away mid-stream (or we are done): free the place at once

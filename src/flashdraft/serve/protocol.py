@@ -1,0 +1,93 @@
+"""OpenAI API request models (the subset flashdraft serves) and the error body every 4xx/5xx carries."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class APIError(Exception):
+    """An error answered as OpenAI does: HTTP status + {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": None}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by both endpoints. Unknown fields are refused (400), never silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)  # extension (vLLM has it too); 0 = off
+    n: int = 1
+    stop: str | list[str] | list[int] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Accepted only at their no-op values (clients send them by default); anything else is refused.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool | int | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def unsupported(self) -> str | None:
+        if self.n != 1:
+            return "n"
+        if self.presence_penalty or self.frequency_penalty:
+            return "presence_penalty" if self.presence_penalty else "frequency_penalty"
+        if self.logprobs:
+            return "logprobs"
+        if self.logit_bias:
+            return "logit_bias"
+        return None
+
+    def stop_strings_and_ids(self) -> tuple[list[str], list[int]]:
+        stop = self.stop
+        if stop is None:
+            return [], []
+        if isinstance(stop, str):
+            return [stop], []
+        if all(isinstance(s, int) for s in stop):
+            return [], [int(s) for s in stop]
+        return [str(s) for s in stop], []
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    @property
+    def limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int]
+    echo: bool = False
+
+    @property
+    def limit(self) -> int | None:
+        return self.max_tokens or 16  # OpenAI's default for completions

@@ -1,0 +1,250 @@
+"""`flashdraft serve`: the official openai client against a server started here (tiny random model + drafter)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+from conftest import VOCAB
+from flashdraft import DFlashDraftModel, Target, generate, generate_ar
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+MODEL = "tiny"
+
+
+def tiny_tokenizer():
+    """Word-level tokenizer over the tiny vocabulary: token i is the word `w{i}`; a plain chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<pad>",
+        chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}w5",
+    )
+
+
+@pytest.fixture(scope="module")
+def server(models):
+    from flashdraft.serve import Engine, build_app
+
+    model = models["llama"]
+    target = Target(model, tiny_tokenizer(), name=MODEL)
+    draft = DFlashDraftModel.for_target(
+        model.config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1
+    ).eval()
+    engine = Engine(target, draft, max_queue=8)
+    srv = uvicorn.Server(
+        uvicorn.Config(build_app(engine, MODEL), host="127.0.0.1", port=0, log_level="warning")
+    )
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    port = srv.servers[0].sockets[0].getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    yield {"base": base, "target": target, "draft": draft, "engine": engine,
+           "client": openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)}  # fmt: skip
+    srv.should_exit = True
+    thread.join(timeout=10)
+    engine.close()
+
+
+MESSAGES = [{"role": "user", "content": "w7 w9 w11 w3 w20"}]
+
+
+def expected(server, messages=MESSAGES, max_tokens=24, **sampling):
+    target = server["target"]
+    ids = target.encode_prompt(messages)
+    res = generate(target, server["draft"], ids, max_tokens, **sampling)
+    return ids, res, target.tokenizer.decode(res.new_tokens, skip_special_tokens=True)
+
+
+def test_chat_greedy_equals_generate_with_usage_and_spec_stats(server):
+    ids, res, text = expected(server)
+    out = server["client"].chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0
+    )
+    assert out.choices[0].message.content == text
+    assert out.usage.prompt_tokens == ids.shape[1] and out.usage.completion_tokens == res.num_new_tokens
+    assert out.choices[0].finish_reason == ("stop" if res.stop_reason == "stop_token" else "length")
+    spec = out.model_extra["spec_decode"]
+    assert spec["num_accepted_draft_tokens"] <= spec["num_draft_tokens"]
+    assert sum(spec["acceptance_histogram"]) == res.num_steps
+
+
+def test_streaming_chat_and_usage(server):
+    _, res, text = expected(server)
+    stream = server["client"].chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == res.num_new_tokens and not chunks[-1].choices
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+
+
+def test_completions_text_and_token_prompts(server):
+    target, client = server["target"], server["client"]
+    ids = target.encode_prompt("w4 w8 w15", chat=False)
+    res = generate(target, server["draft"], ids, 12)
+    text = target.tokenizer.decode(res.new_tokens, skip_special_tokens=True)
+    assert (
+        client.completions.create(model=MODEL, prompt="w4 w8 w15", max_tokens=12, temperature=0)
+        .choices[0]
+        .text
+        == text
+    )
+    by_ids = client.completions.create(model=MODEL, prompt=ids[0].tolist(), max_tokens=12, temperature=0)
+    assert by_ids.choices[0].text == text
+    streamed = client.completions.create(
+        model=MODEL, prompt="w4 w8 w15", max_tokens=12, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == text
+
+
+def test_seeded_sampling_is_plain_sampling_with_that_seed(server):
+    target = server["target"]
+    ids = target.encode_prompt(MESSAGES)
+    plain = generate_ar(target, ids, 20, temperature=0.9, top_p=0.95, seed=7)
+    want = target.tokenizer.decode(plain.new_tokens, skip_special_tokens=True)
+    for _ in range(2):
+        out = server["client"].chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=20, temperature=0.9, top_p=0.95, seed=7
+        )
+        assert out.choices[0].message.content == want
+
+
+def test_stop_strings_and_stop_ids(server):
+    _, res, text = expected(server, max_tokens=24)
+    words = text.split()
+    assert len(words) >= 4
+    stop_word = words[3]
+    out = server["client"].chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0, stop=[stop_word]
+    )
+    assert out.choices[0].message.content == text[: text.index(stop_word)]
+    assert out.choices[0].finish_reason == "stop"
+    stop_id = res.new_tokens[2]
+    by_id = server["client"].completions.create(
+        model=MODEL, prompt=server["target"].encode_prompt(MESSAGES)[0].tolist(), max_tokens=24, temperature=0,
+        stop=[stop_id],
+    )  # fmt: skip
+    assert by_id.choices[0].finish_reason == "stop"
+
+
+def test_concurrent_requests_all_answered_correctly(server):
+    prompts = [[{"role": "user", "content": f"w{3 + i} w{10 + i} w{20 + i}"}] for i in range(6)]
+    wanted = [expected(server, p, max_tokens=16)[2] for p in prompts]
+
+    def ask(messages):
+        out = server["client"].chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=16, temperature=0
+        )
+        return out.choices[0].message.content
+
+    with ThreadPoolExecutor(6) as pool:
+        assert list(pool.map(ask, prompts)) == wanted
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        ("{not json", 400, "JSON"),
+        ({"model": "gpt-9", "messages": MESSAGES}, 404, "does not exist"),
+        ({"model": MODEL, "messages": MESSAGES, "temperature": 5}, 400, "temperature"),
+        ({"model": MODEL, "messages": MESSAGES, "n": 2}, 400, "n is not supported"),
+        ({"model": MODEL, "messages": MESSAGES, "max_tokens": 10_000}, 400, "exceeds the model's context"),
+        ({"model": MODEL, "messages": MESSAGES, "tools": []}, 400, "tools"),
+        ({"model": MODEL, "messages": []}, 400, "messages"),
+        ({"model": MODEL, "messages": MESSAGES, "stop": [10_000]}, 400, "stop token ids"),
+    ],
+)
+def test_bad_input_is_a_4xx_with_an_openai_error_and_the_server_keeps_serving(server, body, status, needle):
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(f"{server['base']}/v1/chat/completions", content=content,
+                   headers={"content-type": "application/json"}, timeout=30)  # fmt: skip
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert needle in error["message"] and error["type"]
+    assert httpx.get(f"{server['base']}/health", timeout=10).json()["status"] == "ok"
+    ok = server["client"].chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0)
+    assert ok.choices[0].message.content is not None
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_place(server, monkeypatch):
+    engine, target = server["engine"], server["target"]
+    real_forward = target.forward
+
+    def slow_forward(*args, **kwargs):  # make a long answer take seconds, so leaving early is observable
+        time.sleep(0.02)
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(target, "forward", slow_forward)
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 200, "temperature": 0, "stream": True}
+    t0 = time.time()
+    with httpx.stream("POST", f"{server['base']}/v1/chat/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"content": "w' in line:
+                break  # first real text: leave
+    deadline = time.time() + 10
+    while engine.running and time.time() < deadline:
+        time.sleep(0.02)
+    assert not engine.running and time.time() - t0 < 3  # 200 slow steps would take > 4 s
+    monkeypatch.setattr(target, "forward", real_forward)
+    ok = server["client"].chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0)
+    assert ok.choices[0].message.content is not None
+
+
+def test_models_health_and_metrics(server):
+    base = server["base"]
+    assert [m.id for m in server["client"].models.list()] == [MODEL]
+    server["client"].chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    for name in (
+        "vllm:spec_decode_num_drafts_total",
+        "vllm:spec_decode_num_draft_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_total",
+        "flashdraft:requests_total",
+        "flashdraft:e2e_request_latency_seconds_bucket",
+    ):
+        assert name in text, name
+    requests = [line for line in text.splitlines() if line.startswith("flashdraft:requests_total{")]
+    assert any('status="200"' in line and float(line.rsplit(" ", 1)[1]) >= 1 for line in requests)
+
+
+def test_plain_server_without_drafter(models):
+    """--draft is optional: the same server decodes plainly (the honest baseline)."""
+    from fastapi.testclient import TestClient
+
+    from flashdraft.serve import Engine, build_app
+
+    target = Target(models["llama"], tiny_tokenizer(), name=MODEL)
+    engine = Engine(target, None)
+    try:
+        with TestClient(build_app(engine, MODEL)) as client:
+            r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 12,
+                                                          "temperature": 0})  # fmt: skip
+            assert r.status_code == 200, r.text
+            ids = target.encode_prompt(MESSAGES)
+            want = target.tokenizer.decode(generate_ar(target, ids, 12).new_tokens, skip_special_tokens=True)
+            assert r.json()["choices"][0]["message"]["content"] == want and r.json()["spec_decode"] is None
+    finally:
+        engine.close()
+    assert torch.is_grad_enabled()  # the engine's worker thread does not change the caller's grad mode
