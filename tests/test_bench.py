@@ -232,7 +232,7 @@ def test_bench_end_to_end_every_method(tiny, tmp_path):
         assistant=str(tiny / "assistant"),
         # The shipped gsm8k too: the tiny tokenizer maps its words to <unk>, which is fine for timing plumbing.
         datasets=[str(tiny / "chat.jsonl"), "gsm8k"],
-        methods=["hf", "dflash", "sd", "pld"],  # ar is added as the reference
+        methods=["hf", "dflash", "dflash-fixed", "sd", "pld"],  # ar is added as the reference
         max_samples=2,
         max_new_tokens=10,
         out_dir=out,
@@ -241,7 +241,7 @@ def test_bench_end_to_end_every_method(tiny, tmp_path):
     )
     results = run_bench(cfg)
 
-    methods = ["ar", "hf", "dflash", "sd", "pld"]
+    methods = ["ar", "hf", "dflash", "dflash-fixed", "sd", "pld"]
     assert results["settings"]["methods"] == methods
     turns = 3 + 2  # chat: 2 + 1 turns; gsm8k: 2 problems
     assert len(results["samples"]) == turns * len(methods)
@@ -258,9 +258,14 @@ def test_bench_end_to_end_every_method(tiny, tmp_path):
         assert s["ttft_s"] > 0 and s["tpot_s"] > 0 and s["tokens_per_s"] > 0
         assert s["speedup_vs_ar"] > 0 and s["speedup_vs_hf"] > 0, method
     assert summary["ar"]["tau"] == 1.0 and summary["hf"]["tau"] == 1.0
-    dflash = summary["dflash"]
-    assert 1.0 <= dflash["tau"] <= 4.0
-    assert len(dflash["slot_acceptance"]) == 3 and sum(dflash["acceptance_histogram"]) == dflash["steps"]
+    # dflash-fixed verifies the drafter's whole block (4) every step: 3 slots, one histogram entry per step
+    fixed = summary["dflash-fixed"]
+    assert 1.0 <= fixed["tau"] <= 4.0
+    assert len(fixed["slot_acceptance"]) == 3 and sum(fixed["acceptance_histogram"]) == fixed["steps"]
+    assert set(fixed["verify_length_histogram"]) <= {"0", "1", "2", "3"}
+    # dflash is cost-aware: what it verifies depends on the costs measured here; it ran from a recorded cost model
+    assert 1.0 <= summary["dflash"]["tau"] <= 4.0
+    assert results["settings"]["verify"] == "auto" and results["settings"]["cost_model"]["lengths"][0] == 1
     ar_samples = [s for s in results["samples"] if s["method"] == "ar"]
     # The second turn is conditioned on the first answer: its prompt holds the first prompt and the answer.
     first, second = ar_samples[0], ar_samples[1]
@@ -274,7 +279,7 @@ def test_bench_end_to_end_every_method(tiny, tmp_path):
     assert saved["settings"]["transformers_generation"]["prompt_lookup_num_tokens"] == 10
     assert saved["settings"]["transformers_generation"]["num_assistant_tokens"] == 20
     report = (out / "report.md").read_text()
-    assert "All 20 outputs are token-for-token identical to `ar`" in report
+    assert "All 25 outputs are token-for-token identical to `ar`" in report
     assert "## gsm8k" in report and "| dflash |" in report and "Per-slot acceptance" in report
 
     # --readme writes the tables between the markers of a README, leaving the rest alone.
@@ -283,7 +288,7 @@ def test_bench_end_to_end_every_method(tiny, tmp_path):
     update_readme(readme, results)
     text = readme.read_text()
     assert "old table" not in text and text.startswith("# Benchmarks\n\nintro") and text.endswith("footer\n")
-    assert "| gsm8k | dflash |" in text and "| all | pld |" in text and "20 of 20 outputs identical" in text
+    assert "| gsm8k | dflash |" in text and "| all | pld |" in text and "25 of 25 outputs identical" in text
     assert "(run/report.md)" in text and "![speedup](run/speedup.png)" in text
 
 

@@ -116,3 +116,13 @@ def test_measured_costs_are_positive_and_cover_the_block(tiny):
     costs = measure_costs(target, draft, lengths=(1, 2, 8), contexts=(16, 48), repeats=1)
     assert costs.lengths == [1, 2, 8] and costs.draft_dtype in ("float32", "bfloat16")
     assert all(float(costs.verify_s(n, 32)) > 0 for n in (1, 3, 8)) and costs.draft_s(32) > 0
+
+
+def test_the_drafter_is_probed_before_lookup_can_win(tiny):
+    """With verification nearly free (a GPU), a lookup match always looks worth it; the drafter must still get its
+    first step, or its rate would never be known."""
+    target, draft = tiny
+    free = CostModel(lengths=[1, 8], verify_base=[1.0, 1.0], verify_slope=[0.0, 0.0], draft_base=0.01)
+    repetitive = torch.tensor([[5, 6, 7, 8] * 5])  # prompt lookup matches from the first step on
+    res = generate(target, AdaptiveProposer(draft, target, free), repetitive, 12, stop_token_ids=[])
+    assert res.proposer_stats["steps_by_source"]["dflash"] >= 1

@@ -160,6 +160,7 @@ def prompt_lookup(
 LOOKUP_MAX_TOKENS = 10
 LOOKUP_MAX_NGRAM = 3
 MAX_SKIP_STEPS = 32
+PROBE_AFTER_STEPS = 8
 
 
 class _Calibration:
@@ -208,6 +209,7 @@ class AdaptiveProposer(Proposer):
         self.skip_left = 0
         self._last: tuple[str, torch.Tensor] | None = None
         self.counts = {"dflash": 0, "lookup": 0, "plain": 0}
+        self.steps_without_draft = 0
 
     def bind_history(self, tokens: list[int]) -> None:
         self.history = tokens
@@ -240,7 +242,15 @@ class AdaptiveProposer(Proposer):
         plain_rate = 1.0 / float(self.costs.verify_s(1, context))
         lookup, lookup_keys, lookup_n, lookup_rate = self._lookup_option(num_tokens, context)
         drafting_pays = self.draft_rate is None or self.draft_rate > plain_rate
-        if lookup_n and (lookup_rate >= (self.draft_rate or 0.0) or self.skip_left > 0 or not drafting_pays):
+        # While the drafter's rate is unknown, lookup may go first, but the drafter is tried within a few steps
+        # (where verifying is nearly free, a GPU, some lookup match would otherwise always win).
+        probe = self.draft_rate is None and self.steps_without_draft >= PROBE_AFTER_STEPS
+        self.steps_without_draft += 1
+        if (
+            lookup_n
+            and not probe
+            and (lookup_rate >= (self.draft_rate or 0.0) or self.skip_left > 0 or not drafting_pays)
+        ):
             self.skip_left = max(0, self.skip_left - 1)  # a skipped drafting step, whoever filled it
             self._last = ("lookup", lookup_keys[:lookup_n])
             self.counts["lookup"] += 1
@@ -252,6 +262,7 @@ class AdaptiveProposer(Proposer):
             return torch.empty(0, dtype=torch.long, device=device)
 
         # Draft the full block; verify as many slots as pay for themselves.
+        self.steps_without_draft = 0
         block = self.max_block_size - 1
         tokens, confidence = self.dflash.draft_confidences(anchor_token, anchor_position, block)
         keys = confidence_keys(confidence, self.calibration.confidence_bins)
