@@ -169,6 +169,23 @@ class _Streamer:
             self.printed = text
 
 
+def _parse_block_size(text: str, drafter_block_size: int | None) -> int | str:
+    """`--block-size`: "auto" (the cost-aware default) or a fixed verify length within the drafter's block."""
+    from .generate import GenerationError
+
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        verify = int(text)
+    except ValueError:
+        raise GenerationError(f"--block-size must be 'auto' or an integer, got {text!r}") from None
+    if drafter_block_size is not None and not 1 <= verify <= drafter_block_size:
+        raise GenerationError(
+            f"--block-size must be between 1 and the drafter's block size {drafter_block_size}, got {verify}"
+        )
+    return verify
+
+
 @app.command("generate")
 @one_line_errors
 def generate_command(
@@ -226,16 +243,7 @@ def generate_command(
     dev = parse_device(device)
     torch_dtype = parse_dtype(dtype)
     draft_config = load_drafter_config(draft)
-    verify: int | str = "auto"
-    if block_size.strip().lower() != "auto":
-        try:
-            verify = int(block_size)
-        except ValueError:
-            raise GenerationError(f"--block-size must be 'auto' or an integer, got {block_size!r}") from None
-        if not 1 <= verify <= draft_config.block_size:
-            raise GenerationError(
-                f"--block-size must be between 1 and the drafter's block size {draft_config.block_size}, got {verify}"
-            )
+    verify = _parse_block_size(block_size, draft_config.block_size)
     target_path = resolve_model(target)  # unknown pack names fail here; a pack is fetched once
     from transformers import AutoConfig
 
@@ -436,12 +444,9 @@ def serve_command(
     from .target import check_drafter_fits_config, load_target, parse_device, parse_dtype
 
     dev, torch_dtype = parse_device(device), parse_dtype(dtype)
-    verify: int | str = "auto"
-    if block_size != "auto":
-        try:
-            verify = int(block_size)
-        except ValueError:
-            raise GenerationError(f"--block-size must be 'auto' or an integer, got {block_size!r}") from None
+    verify = _parse_block_size(
+        block_size, load_drafter_config(draft).block_size if draft is not None else None
+    )
     if max_queue < 1:
         raise GenerationError(f"--max-queue must be >= 1, got {max_queue}")
     tgt = load_target(target, dtype=torch_dtype, device=dev)
