@@ -161,8 +161,77 @@ def test_concurrent_requests_all_answered_correctly(server):
         )
         return out.choices[0].message.content
 
+    before = sum(n for rows, n in server["engine"].steps_by_rows.items() if rows > 1)
     with ThreadPoolExecutor(6) as pool:
         assert list(pool.map(ask, prompts)) == wanted
+    # They were decoded together (continuous batching), not one after another.
+    assert sum(n for rows, n in server["engine"].steps_by_rows.items() if rows > 1) > before
+    assert "flashdraft:decode_steps_by_batch_size" in httpx.get(f"{server['base']}/metrics", timeout=10).text
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_drains_in_flight_requests_then_exits(models, tmp_path):
+    """`flashdraft serve` in its own process: SIGTERM during a streamed answer lets it finish (every token, the
+    usage chunk, [DONE]), then the server exits."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    model = models["llama"]
+    model.save_pretrained(tmp_path / "target")
+    tiny_tokenizer().save_pretrained(tmp_path / "target")
+    draft = DFlashDraftModel.for_target(model.config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1)
+    draft.save_pretrained(tmp_path / "draft")
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flashdraft", "serve", "--target", str(tmp_path / "target"), "--draft",
+         str(tmp_path / "draft"), "--port", str(port), "--block-size", "4", "--threads", "1",
+         "--served-model-name", MODEL],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+    )  # fmt: skip
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 200, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}, "stop": []}  # fmt: skip
+        chunks = []
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if not chunks:
+                    proc.send_signal(signal.SIGTERM)  # mid-answer
+                chunks.append(line[6:])
+        assert chunks[-1] == "[DONE]"
+        assert len(chunks) > 20  # the answer streamed for many chunks after the signal (one chunk per step)
+        usage = json.loads(chunks[-2])["usage"]
+        finish = [
+            json.loads(c)["choices"][0]["finish_reason"] for c in chunks[:-2] if json.loads(c)["choices"]
+        ]
+        ids = Target(model, tiny_tokenizer()).encode_prompt(MESSAGES)
+        alone = generate_ar(Target(model), ids, 200)
+        assert usage["completion_tokens"] == alone.num_new_tokens and finish[-1] in ("stop", "length")
+        # uvicorn re-raises the signal once it has drained, so the exit status is the usual one for SIGTERM.
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        print(proc.stdout.read() if proc.stdout else "")
 
 
 @pytest.mark.parametrize(

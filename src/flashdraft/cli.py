@@ -428,13 +428,16 @@ def serve_command(
         str | None, typer.Option(help="model id clients use (default: --target)")
     ] = None,
     max_queue: Annotated[int, typer.Option(help="requests that may wait; more get HTTP 503")] = 64,
+    max_batch_size: Annotated[
+        int, typer.Option(help="requests decoded together (continuous batching); 1 = one at a time")
+    ] = 8,
     block_size: Annotated[str, typer.Option(help="auto (cost-aware) or a fixed verify length")] = "auto",
     dtype: Annotated[str | None, typer.Option(help="float32 | bfloat16 | float16")] = None,
     device: Annotated[str | None, typer.Option(help="cpu | cuda")] = None,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
 ) -> None:
-    """Serve the target (with DFlash when --draft is given) behind an OpenAI-compatible API (one sequence decodes
-    at a time; the others wait in a bounded queue)."""
+    """Serve the target (with DFlash when --draft is given) behind an OpenAI-compatible API: up to
+    --max-batch-size requests decode together (continuous batching), the others wait in a bounded queue."""
     import torch
     import uvicorn
 
@@ -449,6 +452,8 @@ def serve_command(
     )
     if max_queue < 1:
         raise GenerationError(f"--max-queue must be >= 1, got {max_queue}")
+    if max_batch_size < 1:
+        raise GenerationError(f"--max-batch-size must be >= 1, got {max_batch_size}")
     tgt = load_target(target, dtype=torch_dtype, device=dev)
     drafter = None
     if draft is not None:
@@ -456,11 +461,14 @@ def serve_command(
         drafter = DFlashDraftModel.from_pretrained(draft, dtype=tgt.dtype, device=tgt.device)
     if threads:
         torch.set_num_threads(threads)
-    engine = Engine(tgt, drafter, max_queue=max_queue, block_size=verify)
+    costs = None
     if drafter is not None and verify == "auto":
         from .costs import load_or_measure_costs
 
-        load_or_measure_costs(tgt, drafter, log=lambda m: console.print(m, soft_wrap=True))
+        costs = load_or_measure_costs(tgt, drafter, log=lambda m: console.print(m, soft_wrap=True))
+    engine = Engine(
+        tgt, drafter, max_queue=max_queue, block_size=verify, max_batch_size=max_batch_size, costs=costs
+    )
     name = served_model_name or target
     console.print(
         f"serving {name!r} ({'DFlash ' + str(draft) if draft else 'plain decoding'}) on http://{host}:{port}/v1"

@@ -23,19 +23,25 @@ import torch
 from .files import atomic_write_text
 
 VERIFY_LENGTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+# Batched decoding verifies b rows x n tokens in one forward: its cost is read at b * n tokens (the weights are read
+# once either way, and attention over the context sums over rows), so longer forwards are measured too.
+BATCH_TOKENS = (32, 64, 128)
+DRAFT_BATCH_ROWS = 4
 CONTEXTS = (64, 512)
-COST_MODEL_VERSION = 1
+COST_MODEL_VERSION = 2
 
 
 @dataclass
 class CostModel:
-    """t_verify(n, c) = base[n] + slope[n] * c, t_draft(c) = draft_base + draft_slope * c (seconds)."""
+    """t_verify(n, c) = base[n] + slope[n] * c, t_draft(c) = draft_base + draft_slope * c (seconds); a batched
+    draft pass of b rows costs t_draft(c) + (b - 1) * draft_row_s."""
 
     lengths: list[int]  # measured verify lengths, ascending, starting at 1
     verify_base: list[float]
     verify_slope: list[float]
     draft_base: float = 0.0
     draft_slope: float = 0.0
+    draft_row_s: float = 0.0
     draft_dtype: str = "float32"  # the precision the drafter and its head run in (the faster one measured)
     head_s: dict[str, float] = field(default_factory=dict)  # draft-head time per dtype, for the record
     measured_s: float = 0.0
@@ -54,6 +60,10 @@ class CostModel:
 
     def draft_s(self, context: int) -> float:
         return self.draft_base + self.draft_slope * context
+
+    def draft_batch_s(self, rows: int, context: int) -> float:
+        """One draft pass over `rows` rows (batched decoding), each after about `context` tokens."""
+        return self.draft_s(context) + max(0, rows - 1) * self.draft_row_s
 
     def summary(self, context: int = 256) -> str:
         plain = float(self.verify_s(1, context))
@@ -169,13 +179,14 @@ def measure_costs(
     lengths: tuple[int, ...] = VERIFY_LENGTHS,
     contexts: tuple[int, ...] = CONTEXTS,
     repeats: int = 3,
+    batch_tokens: tuple[int, ...] = BATCH_TOKENS,
 ) -> CostModel:
     """Time the target's verify (with the drafter's layer taps, as in decoding) and the draft pass."""
     from .proposers import DFlashProposer
 
     t_start = time.perf_counter()
     block = draft.config.block_size
-    lengths = tuple(n for n in lengths if n <= block) or (1,)
+    lengths = (tuple(n for n in lengths if n <= block) or (1,)) + tuple(n for n in batch_tokens if n > block)
     contexts = tuple(min(c, max(8, target.max_context - block - 1)) for c in contexts)
     taps = tuple(draft.config.target_layer_ids)
     device = target.device
@@ -219,6 +230,10 @@ def measure_costs(
         )
     c0, c1 = contexts[0], contexts[-1]
     span = max(c1 - c0, 1)
+    one_row, many_rows = (
+        _measure_draft_rows(target, draft, ids[:, :c0], draft_dtype, rows, repeats)
+        for rows in (1, DRAFT_BATCH_ROWS)
+    )
     slope = [max(0.0, (b - a) / span) for a, b in zip(per_context[0], per_context[-1], strict=True)]
     base = [a - s * c0 for a, s in zip(per_context[0], slope, strict=True)]
     d_slope = max(0.0, (draft_times[-1] - draft_times[0]) / span)
@@ -228,7 +243,36 @@ def measure_costs(
         verify_slope=slope,
         draft_base=draft_times[0] - d_slope * c0,
         draft_slope=d_slope,
+        draft_row_s=max(0.0, (many_rows - one_row) / (DRAFT_BATCH_ROWS - 1)),
         draft_dtype=draft_dtype,
         head_s=head_s,
         measured_s=time.perf_counter() - t_start,
     )
+
+
+def _measure_draft_rows(
+    target: Any, draft: Any, prompt: torch.Tensor, dtype: str, rows: int, repeats: int
+) -> float:
+    """Seconds of one batched draft pass over `rows` rows with `prompt` as each row's context."""
+    from .batch import BatchedDFlashProposer, BatchRow
+    from .sampling import SamplingParams
+
+    proposer = BatchedDFlashProposer(
+        draft, target, block_size=draft.config.block_size, dtype=getattr(torch, dtype)
+    )
+    batch = []
+    features = target.forward(prompt, None, tuple(draft.config.target_layer_ids)).features
+    for _ in range(rows):
+        row = BatchRow(prompt, 2, SamplingParams(), set(), 0, tokens=[int(prompt[0, -1])])
+        row.prompt = prompt[:, :-1]  # the last prompt token plays the anchor
+        proposer.add(row, features[:, :-1])
+        batch.append(row)
+    pending = list(proposer.pending)
+
+    def draft_all():
+        proposer.cache = type(proposer.cache)(ragged=True)
+        proposer.absorbed = [0] * rows
+        proposer.pending = list(pending)
+        proposer.draft_rows(batch)
+
+    return median_seconds(draft_all, repeats)

@@ -131,11 +131,29 @@ def _as_input_ids(input_ids: torch.Tensor | Sequence[int], device: torch.device)
         raise GenerationError(f"input_ids must be [1, n] or [n], got shape {tuple(ids.shape)}")
     if ids.shape[0] != 1:
         raise GenerationError(
-            f"batch size {ids.shape[0]}: generate() decodes one sequence at a time for now; call it per prompt"
+            f"batch size {ids.shape[0]}: generate() decodes one sequence; use generate_batch() for several prompts"
         )
     if ids.shape[1] == 0:
         raise GenerationError("the prompt is empty")
     return ids.to(device)
+
+
+def check_request(
+    target: Target, input_ids: torch.Tensor | Sequence[int], max_new_tokens: int
+) -> torch.Tensor:
+    """The prompt as a [1, n] id tensor on the target's device, after the checks every request gets."""
+    ids = _as_input_ids(input_ids, target.device)
+    prompt_len = ids.shape[1]
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if prompt_len + max_new_tokens > target.max_context:
+        raise GenerationError(
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the target's context of "
+            f"{target.max_context} tokens"
+        )
+    if int(ids.max()) >= target.vocab_size or int(ids.min()) < 0:
+        raise GenerationError(f"prompt holds token ids outside the vocabulary (0..{target.vocab_size - 1})")
+    return ids
 
 
 def _sync(device: torch.device) -> None:
@@ -156,17 +174,8 @@ def decode(
 ) -> GenerationResult:
     """The loop shared by speculative and plain decoding; `proposer` decides which one it is (and may propose
     fewer tokens than the block allows: the adaptive proposer chooses its verify length per step)."""
-    ids = _as_input_ids(input_ids, target.device)
+    ids = check_request(target, input_ids, max_new_tokens)
     prompt_len = ids.shape[1]
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise GenerationError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if prompt_len + max_new_tokens > target.max_context:
-        raise GenerationError(
-            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the target's context of "
-            f"{target.max_context} tokens"
-        )
-    if int(ids.max()) >= target.vocab_size or int(ids.min()) < 0:
-        raise GenerationError(f"prompt holds token ids outside the vocabulary (0..{target.vocab_size - 1})")
     block_size = proposer.max_block_size if block_size is None else block_size
     if not isinstance(block_size, int) or not 1 <= block_size <= proposer.max_block_size:
         raise GenerationError(

@@ -163,6 +163,10 @@ class DFlashDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+# The position of padding in a batched context: later than any anchor, so the mask rule (context < anchor) hides it.
+PAD_POSITION = 1 << 30
+
+
 @dataclass
 class DraftContextCache:
     """Per-layer K/V of the fused target context. Grows only with accepted tokens; holds no block K/V."""
@@ -170,6 +174,9 @@ class DraftContextCache:
     keys: list[torch.Tensor | None] = field(default_factory=list)
     values: list[torch.Tensor | None] = field(default_factory=list)
     positions: torch.Tensor | None = None  # [b, c] absolute positions of the cached context
+    # Batched decoding pads rows to a common length with positions no anchor reaches (PAD_POSITION); attention must
+    # then go through the position mask instead of the one-block fast path.
+    ragged: bool = False
 
     def __len__(self) -> int:
         return 0 if self.positions is None else self.positions.shape[1]
@@ -259,7 +266,10 @@ class DFlashDraftModel(nn.Module):
         # Decoding (one block over a cache of fixed tokens) needs no mask: all of its context precedes the anchor.
         # Anything else, a single training block over a whole sequence included, gets the masked rule.
         masks = self._attention_masks(
-            block_positions, all_context_positions, num_blocks, context_before_anchor=cache is not None
+            block_positions,
+            all_context_positions,
+            num_blocks,
+            context_before_anchor=cache is not None and not cache.ragged,
         )
 
         for i, layer in enumerate(self.layers):

@@ -178,6 +178,7 @@ class Target:
         tap_layer_ids: Sequence[int] = (),
         last_logits_only: bool = False,
         attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> TargetOutput:
         """Run the target on `input_ids` after what `cache` holds (None: no cache, as in training); tap the
         outputs of `tap_layer_ids`.
@@ -188,6 +189,8 @@ class Target:
         kwargs: dict[str, Any] = {"past_key_values": cache, "use_cache": cache is not None}
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
+        if position_ids is not None:  # batched decoding: rows hold different numbers of tokens
+            kwargs["position_ids"] = position_ids
         if last_logits_only and self._logits_to_keep_arg:
             kwargs[self._logits_to_keep_arg] = 1
         with self._taps(tap_layer_ids) as captured:

@@ -58,7 +58,10 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(engine.waiting, engine.running), media_type=CONTENT_TYPE_LATEST)
+        return Response(
+            metrics.render(engine.waiting, engine.running, dict(engine.steps_by_rows)),
+            media_type=CONTENT_TYPE_LATEST,
+        )
 
     def check(body: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int]) -> EngineRequest:
         if body.model != model_name:

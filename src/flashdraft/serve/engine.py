@@ -1,24 +1,31 @@
-"""The serving engine: requests in a bounded queue, decoded by one worker thread with the speculative loop.
+"""The serving engine: a bounded request queue in front of one worker thread that runs continuous batching.
 
-One sequence is decoded at a time (batch size 1, like `generate`); requests wait their turn in a FIFO queue of
-`max_queue` entries, and a full queue is refused at once (HTTP 503) rather than piling up. Each request streams its
-text through an asyncio queue owned by the HTTP handler. A request whose client has gone is cancelled: if it is
-still waiting it is skipped, if it is running its decode loop ends at the next step, and either way its slot and
-caches are freed at once.
+Between two decode steps the worker admits waiting requests into the batch (each gets its own prefill) up to
+`max_batch_size` rows, drops rows whose client has gone (their cache rows are freed at once), then advances every row
+by one speculative step (`BatchDecoder.step`: all rows verified in one target forward, each keeping its own accepted
+prefix). A full queue is refused at once (HTTP 503) rather than piling up. Each request streams its text through an
+asyncio queue owned by the HTTP handler. `close()` stops admitting, lets the running rows finish (drain), and ends the
+thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..generate import GenerationResult, generate, generate_ar
+from ..batch import BatchDecoder, BatchRow, batch_proposer
+from ..generate import GenerationResult
+from ..sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class QueueFullError(RuntimeError):
@@ -46,6 +53,9 @@ class RequestHandle:
         self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self.cancelled = threading.Event()
         self.submitted = time.perf_counter()
+        self.started: float | None = None  # admitted into the batch
+        self.first_token_s: float | None = None
+        self.stream: _TextStream | None = None
 
     def push(self, kind: str, value: Any) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
@@ -112,22 +122,36 @@ def spec_stats(result: GenerationResult, block_size: int | None) -> dict[str, An
 
 
 class Engine:
-    """Target (+ optional drafter) behind a queue and one decoding thread."""
+    """Target (+ optional drafter) behind a queue and one thread running continuous batching."""
 
     def __init__(
-        self, target: Any, draft: Any = None, max_queue: int = 64, block_size: int | str = "auto"
+        self,
+        target: Any,
+        draft: Any = None,
+        max_queue: int = 64,
+        block_size: int | str = "auto",
+        max_batch_size: int = 8,
+        policy: str = "shared",
+        costs: Any = None,
     ) -> None:
         self.target = target
         self.draft = draft
         self.block_size = block_size
         self.max_queue = max_queue
+        self.max_batch_size = max_batch_size
+        self.decoder = BatchDecoder(
+            target, batch_proposer(target, draft, block_size, policy, costs), max_batch_size
+        )
         self._queue: queue.Queue[RequestHandle | None] = queue.Queue(maxsize=max_queue)
-        self.running = 0
+        self._closing = False
+        self.steps_by_rows: Counter[int] = Counter()  # decode steps by the number of rows they advanced
         self._thread = threading.Thread(target=self._work, name="flashdraft-engine", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ API for the HTTP layer
     def submit(self, request: EngineRequest, loop: asyncio.AbstractEventLoop) -> RequestHandle:
+        if self._closing:
+            raise QueueFullError("the server is shutting down")
         handle = RequestHandle(request, loop)
         try:
             self._queue.put_nowait(handle)
@@ -139,57 +163,87 @@ class Engine:
     def waiting(self) -> int:
         return self._queue.qsize()
 
-    def close(self) -> None:
+    @property
+    def running(self) -> int:
+        return len(self.decoder)
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop admitting, finish the running rows (and what already waits in the queue), end the worker."""
+        self._closing = True
         self._queue.put(None)
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=timeout)
 
     # ------------------------------------------------------------------ the worker
     def _work(self) -> None:
         torch.set_grad_enabled(False)
+        stopping = False
         while True:
-            handle = self._queue.get()
-            if handle is None:
-                return
-            if handle.cancelled.is_set():
-                continue  # the client left while waiting
-            self.running = 1
+            # Admit waiting requests between steps; with nothing running, sleep until one comes.
+            while not self.decoder.full and not stopping:
+                try:
+                    handle = self._queue.get(block=len(self.decoder) == 0)
+                except queue.Empty:
+                    break
+                if handle is None:
+                    stopping = True
+                    break
+                self._admit(handle)
+            for row in list(self.decoder.rows):  # clients that went away free their rows now
+                if row.tag.cancelled.is_set():
+                    self.decoder.cancel(row)
+            if not len(self.decoder):
+                if stopping:  # drained: every request queued before close() has been answered
+                    return
+                continue
+            self.steps_by_rows[len(self.decoder)] += 1
             try:
-                self._run(handle)
-            except Exception as e:  # noqa: BLE001 - a failed request must not take the server down
-                handle.push("error", f"{type(e).__name__}: {e}")
-            finally:
-                self.running = 0
+                finished = self.decoder.step()
+            except Exception as e:  # noqa: BLE001 - a failed step must not take the server down
+                log.exception("decode step failed")
+                for row in list(self.decoder.rows):
+                    row.tag.push("error", f"{type(e).__name__}: {e}")
+                    self.decoder.cancel(row, "error")
+                continue
+            for row in finished:
+                self._finish(row)
 
-    def _run(self, handle: RequestHandle) -> None:
+    def _admit(self, handle: RequestHandle) -> None:
+        if handle.cancelled.is_set():
+            return  # the client left while waiting
         req = handle.request
-        stream = _TextStream(self.target.tokenizer, req.stop_strings)
-        started = time.perf_counter()
-        first_token_s: list[float] = []
+        handle.started = time.perf_counter()
+        handle.stream = stream = _TextStream(self.target.tokenizer, req.stop_strings)
 
         def on_tokens(new: list[int]) -> bool:
-            if not first_token_s:
-                first_token_s.append(time.perf_counter() - started)
+            if handle.first_token_s is None:
+                handle.first_token_s = time.perf_counter() - handle.started
             delta = stream.add(new)
             if delta:
                 handle.push("text", delta)
             return stream.stopped or handle.cancelled.is_set()
 
-        stops = [*self.target.eos_token_ids, *req.stop_ids]
-        common = dict(
-            max_new_tokens=req.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            stop_token_ids=stops,
-            seed=req.seed,
-            on_tokens=on_tokens,
-        )
-        if self.draft is not None:
-            result = generate(self.target, self.draft, req.prompt_ids, block_size=self.block_size, **common)
-        else:
-            result = generate_ar(self.target, req.prompt_ids, **common)
+        try:
+            row = self.decoder.add(
+                req.prompt_ids,
+                req.max_tokens,
+                SamplingParams(req.temperature, req.top_p, req.top_k),
+                stop_token_ids=[*self.target.eos_token_ids, *req.stop_ids],
+                seed=req.seed,
+                on_tokens=on_tokens,
+                tag=handle,
+            )
+        except Exception as e:  # noqa: BLE001 - one bad request fails alone
+            handle.push("error", f"{type(e).__name__}: {e}")
+            return
+        if row.done:  # its first token already ended it
+            self._finish(row)
+
+    def _finish(self, row: BatchRow) -> None:
+        handle: RequestHandle = row.tag
         if handle.cancelled.is_set():
             return
+        result = row.result
+        stream = handle.stream
         tail = stream.flush()
         if tail:
             handle.push("text", tail)
@@ -198,11 +252,11 @@ class Engine:
             "done",
             {
                 "finish_reason": finish,
-                "prompt_tokens": len(req.prompt_ids),
+                "prompt_tokens": len(handle.request.prompt_ids),
                 "completion_tokens": result.num_new_tokens,
-                "queue_s": started - handle.submitted,
-                "ttft_s": first_token_s[0] if first_token_s else None,
-                "total_s": time.perf_counter() - started,
+                "queue_s": handle.started - handle.submitted,
+                "ttft_s": handle.first_token_s,
+                "total_s": time.perf_counter() - handle.started,
                 "result": result,
                 "spec_decode": spec_stats(
                     result, getattr(getattr(self.draft, "config", None), "block_size", None)

@@ -35,6 +35,12 @@ class ServerMetrics:
         )  # fmt: skip
         self.waiting = Gauge("flashdraft:num_requests_waiting", "Requests in the queue", labels, registry=r)
         self.running = Gauge("flashdraft:num_requests_running", "Requests decoding", labels, registry=r)
+        self.steps_by_rows = Gauge(
+            "flashdraft:decode_steps_by_batch_size",
+            "Decode steps so far, by the number of requests the step advanced together",
+            ["model_name", "rows"],
+            registry=r,
+        )
         self.spec: dict[str, list[Counter]] = {}
         for name, doc in (
             ("num_drafts", "Speculative steps that verified drafts"),
@@ -78,7 +84,9 @@ class ServerMetrics:
                 for counter in self.per_pos:
                     counter.labels(m, str(pos)).inc(count)
 
-    def render(self, waiting: int, running: int) -> bytes:
+    def render(self, waiting: int, running: int, steps_by_rows: dict[int, int] | None = None) -> bytes:
         self.waiting.labels(self.model_name).set(waiting)
         self.running.labels(self.model_name).set(running)
+        for rows, steps in sorted((steps_by_rows or {}).items()):
+            self.steps_by_rows.labels(self.model_name, str(rows)).set(steps)
         return generate_latest(self.registry)
