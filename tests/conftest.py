@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import random
 import tempfile
+import threading
+import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -111,3 +114,22 @@ class OracleProposer(Proposer):
             truth = self.reference[pos] if pos < len(self.reference) else 0
             out.append(truth if i < k else (truth + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab)
         return torch.tensor(out, dtype=torch.long)
+
+
+@contextmanager
+def running_server(app):
+    """Serve a FastAPI app with uvicorn on a free local port in a thread; yields its base URL."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

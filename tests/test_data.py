@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import hf_greedy, tiny_model
+from conftest import hf_greedy, running_server, tiny_model
 from flashdraft import Target
 from flashdraft import data as data_mod
 from flashdraft.data import DataError, TrainingData, compute_features, data_app, load_prompts, regenerate
@@ -355,6 +355,13 @@ def test_cli(target, files, tmp_path):
     assert r.exit_code == 1 and "different settings" in r.output and "Traceback" not in r.output
     r = runner.invoke(data_app, [*base, "--prompts", str(tmp_path / "nope.jsonl")])
     assert r.exit_code == 2 and "prompt file not found" in r.output
+    r = runner.invoke(data_app, [*base, "--prompts", str(files["gsm"]), "--backend", "openai"])
+    assert r.exit_code == 1 and "--base-url" in r.output and "Traceback" not in r.output
+    # A server that is not there: one line, nothing written for the missing answers (resumable).
+    r = runner.invoke(data_app, [*base[:-4], "--out", str(tmp_path / "remote"), "--prompts", str(files["gsm"]),
+                                 "--backend", "openai", "--base-url", "http://127.0.0.1:9", "--retries", "0"])  # fmt: skip
+    assert r.exit_code == 1 and "did not answer" in r.output and "resume" in r.output, r.output
+    assert not list((tmp_path / "remote").glob("shard-*.jsonl"))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"foo": 1}\n')
     r = runner.invoke(
@@ -411,3 +418,48 @@ def test_stdlib_code_prompts_are_many_distinct_and_not_benchmarks(tmp_path):
     assert result.exit_code == 0, result.output
     conversations = list(load_conversations(out))
     assert len(conversations) == 50 and conversations[0].user_turns[0] == prompts[0]["turns"][0]
+
+
+def test_openai_backend_regenerates_the_same_data_through_a_server(target, files, tmp_path):
+    """`--backend openai` against `flashdraft serve` (same target): the same token ids and loss masks as the local
+    path, with the server's own token ids; a server without them gets its text re-encoded, and the manifest says
+    which way each answer came."""
+    pytest.importorskip("fastapi")
+    from flashdraft.remote import OpenAIAnswerer
+    from flashdraft.serve import Engine, build_app
+
+    prompt_files = [files["gsm"], files["zlab"]]
+    run(target, prompt_files, tmp_path / "local", max_turns=2)
+    local = records(tmp_path / "local")
+    engine = Engine(target, None)
+    try:
+        with running_server(build_app(engine, "tiny-llama")) as base:
+            answerer = OpenAIAnswerer(base, "tiny-llama", target.tokenizer, target.max_context, concurrency=3)
+            m = run(target, prompt_files, tmp_path / "remote", max_turns=2, answerer=answerer)
+            assert records(tmp_path / "remote") == local
+            assert m["settings"]["backend"] == "openai" and m["backend"]["model"] == "tiny-llama"
+            answers = sum(
+                sum(1 for a, b in zip([0, *mask], mask, strict=False) if b and not a)
+                for _, mask in local.values()
+            )
+            assert m["backend"]["answer_ids"] == {"server": answers}  # one per answered turn
+
+            plain = OpenAIAnswerer(base, "tiny-llama", target.tokenizer, target.max_context, concurrency=2)
+            plain.ask_token_ids = False  # as a server that only answers text
+            run(target, [files["gsm"]], tmp_path / "text", answerer=plain)
+            # Text loses what the server's detokeniser drops (special tokens inside an answer), and the stop is
+            # known only as finish_reason "stop" (the first EOS id is appended): exactly that, and nothing else.
+            specials, eos = set(target.tokenizer.all_special_ids), target.eos_token_ids
+            for key, (ids, mask) in records(tmp_path / "text").items():
+                local_ids, local_mask = local[key]
+                n = local_mask.index(1)
+                answer = local_ids[n:]
+                want = [t for t in answer if t not in specials] + ([eos[0]] if answer[-1] in eos else [])
+                assert ids == local_ids[:n] + want and mask == [0] * n + [1] * len(want)
+            assert plain.answer_ids == {"re-encoded": len(load_prompts([files["gsm"]]))}
+
+            with pytest.raises(Exception, match="refused a request"):  # a model the server does not serve
+                OpenAIAnswerer(base, "gpt-9", target.tokenizer, 256)([[5, 6]], max_new_tokens=2, temperature=0,
+                                                                      top_p=1.0, eos=[2])  # fmt: skip
+    finally:
+        engine.close()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -11,7 +10,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import VOCAB
+from conftest import VOCAB, running_server
 from flashdraft import DFlashDraftModel, Target, generate, generate_ar
 
 openai = pytest.importorskip("openai")
@@ -48,20 +47,9 @@ def server(models):
         model.config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1
     ).eval()
     engine = Engine(target, draft, max_queue=8)
-    srv = uvicorn.Server(
-        uvicorn.Config(build_app(engine, MODEL), host="127.0.0.1", port=0, log_level="warning")
-    )
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    port = srv.servers[0].sockets[0].getsockname()[1]
-    base = f"http://127.0.0.1:{port}"
-    yield {"base": base, "target": target, "draft": draft, "engine": engine,
-           "client": openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)}  # fmt: skip
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with running_server(build_app(engine, MODEL)) as base:
+        yield {"base": base, "target": target, "draft": draft, "engine": engine,
+               "client": openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)}  # fmt: skip
     engine.close()
 
 

@@ -28,6 +28,7 @@ are in the file's metadata) and ``features-index.json``. They may share the data
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -342,6 +343,7 @@ def _process_chunk(
     reporter: _Reporter,
     counter: dict[str, int],
     rate,
+    answerer=None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Regenerate (or copy) the answers of a chunk of conversations; return its records and shard header."""
     max_turns, max_length = settings["max_turns"], settings["max_length"]
@@ -390,8 +392,7 @@ def _process_chunk(
         pending.sort(key=lambda p: len(p[1]))  # similar lengths in a batch: less padding
         for b in range(0, len(pending), batch_size):
             group = pending[b : b + batch_size]
-            gens = _generate_batch(
-                target,
+            gens = (answerer or functools.partial(_generate_batch, target))(
                 [ids for _, ids, _ in group],
                 max_new_tokens=settings["max_new_tokens"],
                 temperature=settings["temperature"],
@@ -437,6 +438,16 @@ def _apply_turn(batch, turn: int, target: Any, eos, max_length: int, stats: dict
         st.messages = [*messages, {"role": "assistant", "content": text}]
         if turn + 1 >= len(st.turns):
             finish(st)
+
+
+def _backend_record(prior: dict[str, int], answerer: Any) -> dict[str, Any]:
+    """The server that answered, and how many answers' ids it gave vs were re-encoded (over every run)."""
+    record = answerer.describe()
+    counts = dict(prior)
+    for k, v in record.get("answer_ids", {}).items():
+        counts[k] = counts.get(k, 0) + v
+    record["answer_ids"] = counts
+    return record
 
 
 def _target_info(target: Any) -> dict[str, Any]:
@@ -491,6 +502,7 @@ def regenerate(
     progress: bool = True,
     chunk_size: int | None = None,
     prompt_suffix: str | None = None,
+    answerer: Any = None,
 ) -> dict[str, Any]:
     """Regenerate the answers of prompt files with `target` and store token ids + answer loss masks in `out_dir`.
 
@@ -500,6 +512,9 @@ def regenerate(
 
     `prompt_suffix` is appended to each conversation's first user turn, so training prompts can carry the same
     instruction as serving prompts (``"boxed"``: the GSM8K/MATH benchmark's step-by-step ``\\boxed{}`` line).
+
+    `answerer` replaces the local `model.generate` (e.g. `remote.OpenAIAnswerer`: a vLLM/SGLang/flashdraft server
+    answers the templated prompt ids; `target` may then be a `remote.RemoteTarget`, tokenizer and config only).
     """
     if isinstance(prompt_files, (str, Path)):
         prompt_files = [prompt_files]
@@ -539,6 +554,8 @@ def regenerate(
         "shuffle_seed": shuffle_seed,
         "sources": sources,
     }
+    if answerer is not None:  # recorded only when used (data made before the option existed still resumes)
+        settings["backend"] = "openai"
     if prompt_suffix:  # recorded only when used, so data made before the option existed still resumes
         prompt_suffix = resolve_prompt_suffix(prompt_suffix)
         settings["prompt_suffix"] = prompt_suffix
@@ -595,6 +612,7 @@ def regenerate(
 
     pad_id = _pad_id(target, eos)
     counter = {"generated": 0}
+    prior_answer_ids = dict((manifest.get("backend") or {}).get("answer_ids", {}))
 
     def rate() -> str:
         elapsed = time.perf_counter() - start
@@ -617,6 +635,7 @@ def regenerate(
                 reporter=reporter,
                 counter=counter,
                 rate=rate,
+                answerer=answerer,
             )
             generated = counter["generated"]
             header["shard"] = shard_index
@@ -627,6 +646,8 @@ def regenerate(
             shard_index += 1
             headers.append(header)
             manifest["counts"] = _sum_counts(headers)
+            if answerer is not None and hasattr(answerer, "describe"):
+                manifest["backend"] = _backend_record(prior_answer_ids, answerer)
             manifest["wall_time_s"] = round(wall_base + time.perf_counter() - start, 2)
             manifest["complete"] = c + chunk_size >= len(todo)
             manifest["updated"] = _now()
@@ -1011,8 +1032,32 @@ def _make_app():
             help="Text appended to each first user turn, to match how prompts are served; 'boxed' = the "
             "GSM8K/MATH benchmark's step-by-step \\boxed{} instruction.",
         ),
+        backend: str = typer.Option(
+            "local", "--backend", help="local (this process) | openai (any OpenAI-compatible server)."
+        ),
+        base_url: str | None = typer.Option(
+            None, "--base-url", help="openai backend: the server, e.g. http://127.0.0.1:8000"
+        ),
+        model: str | None = typer.Option(
+            None, "--model", help="openai backend: the model name the server knows (default: --target)."
+        ),
+        concurrency: int = typer.Option(
+            8, "--concurrency", min=1, help="openai backend: requests in flight."
+        ),
+        retries: int = typer.Option(
+            3, "--retries", min=0, help="openai backend: tries again after a failed request (with back-off)."
+        ),
+        api_key: str | None = typer.Option(
+            None,
+            "--api-key",
+            envvar="OPENAI_API_KEY",
+            help="openai backend: bearer token, if the server needs one.",
+        ),
     ) -> None:
-        """Regenerate answers with the target and store token ids + answer loss masks."""
+        """Regenerate answers with the target and store token ids + answer loss masks.
+
+        With --backend openai the answers come from a server (vLLM, SGLang, flashdraft serve) serving the same
+        target; --target then only provides the tokenizer and config (no weights are loaded here)."""
         for p in prompts:
             if not p.is_file():
                 raise typer.BadParameter(f"prompt file not found: {p}", param_hint="--prompts")
@@ -1020,11 +1065,37 @@ def _make_app():
             raise typer.BadParameter("must be > 0", param_hint="--top-p")
         if target_dtype is not None and target_dtype not in _DTYPES:
             raise typer.BadParameter(f"must be one of {', '.join(_DTYPES)}", param_hint="--target-dtype")
+        from .remote import RemoteError
+
+        if backend not in ("local", "openai"):
+            raise typer.BadParameter("must be local or openai", param_hint="--backend")
+        if backend == "openai" and not base_url:
+            fail("--backend openai needs --base-url URL (e.g. http://127.0.0.1:8000)")
         try:  # bad prompt files fail fast, before the model loads
             load_prompts(prompts, shuffle_seed=shuffle_seed, limit=limit)
         except DataError as e:
             fail(str(e))
-        tgt = load(target, target_dtype)
+        answerer = None
+        if backend == "openai":
+            from .packs import PackError
+            from .remote import OpenAIAnswerer, RemoteTarget
+
+            try:
+                tgt = RemoteTarget(target)
+            except (RemoteError, PackError) as e:
+                fail(str(e))
+            answerer = OpenAIAnswerer(
+                base_url,
+                model or target,
+                tgt.tokenizer,
+                tgt.max_context,
+                concurrency=concurrency,
+                api_key=api_key,
+                retries=retries,
+            )
+            batch_size = max(batch_size, concurrency)
+        else:
+            tgt = load(target, target_dtype)
         try:
             manifest = regenerate(
                 tgt,
@@ -1043,9 +1114,12 @@ def _make_app():
                 max_length=max_length,
                 chunk_size=chunk_size,
                 prompt_suffix=prompt_suffix,
+                answerer=answerer,
             )
         except DataError as e:
             fail(str(e))
+        except RemoteError as e:  # the server went away: the finished chunks stay
+            fail(f"{e}; finished chunks are kept in {out}: run the same command again to resume")
         except KeyboardInterrupt:
             fail(f"interrupted: finished chunks are kept in {out}; run the same command again to resume")
         c = manifest["counts"]

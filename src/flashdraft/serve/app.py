@@ -149,7 +149,8 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
             return {
                 "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": info["finish_reason"], "logprobs": None}],
+                             "finish_reason": info["finish_reason"], "logprobs": None,
+                             **_token_ids(body, prompt_ids, info)}],
                 "usage": _usage(info), "spec_decode": info.get("spec_decode"),
             }  # fmt: skip
 
@@ -172,7 +173,8 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
         def final(rid: str, text: str, info: dict[str, Any]) -> dict[str, Any]:
             return {
                 "id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
-                "choices": [{"index": 0, "text": text, "finish_reason": info["finish_reason"], "logprobs": None}],
+                "choices": [{"index": 0, "text": text, "finish_reason": info["finish_reason"], "logprobs": None,
+                             **_token_ids(body, prompt_ids, info)}],
                 "usage": _usage(info), "spec_decode": info.get("spec_decode"),
             }  # fmt: skip
 
@@ -181,6 +183,13 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
     app.state.engine = engine
     app.state.metrics = metrics
     return app
+
+
+def _token_ids(body: Any, prompt_ids: list[int], info: dict[str, Any]) -> dict[str, Any]:
+    """`return_token_ids`: every generated id (a stop token included; text cut by a stop string is not re-cut)."""
+    if not body.return_token_ids:
+        return {}
+    return {"prompt_token_ids": prompt_ids, "token_ids": info["result"].new_tokens}
 
 
 def _usage(info: dict[str, Any]) -> dict[str, int]:

@@ -41,6 +41,9 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Extension (vLLM's name): the prompt's and the answer's token ids in each choice, so a client that trains on
+    # the answers (`flashdraft data regenerate --backend openai`) never re-tokenises text.
+    return_token_ids: bool = False
     # Accepted only at their no-op values (clients send them by default); anything else is refused.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -56,6 +59,8 @@ class _Sampling(BaseModel):
             return "logprobs"
         if self.logit_bias:
             return "logit_bias"
+        if self.return_token_ids and self.stream:
+            return "return_token_ids with stream"
         return None
 
     def stop_strings_and_ids(self) -> tuple[list[str], list[int]]:
