@@ -12,7 +12,8 @@ import torch
 from conftest import hf_greedy, running_server, tiny_model
 from flashdraft import Target
 from flashdraft import data as data_mod
-from flashdraft.data import DataError, TrainingData, compute_features, data_app, load_prompts, regenerate
+from flashdraft.cli.data import data_app
+from flashdraft.data import DataError, TrainingData, compute_features, load_prompts, regenerate
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<unk>"]
 ROLES = ["user", "assistant", "system"]
@@ -395,8 +396,8 @@ def test_stdlib_code_prompts_are_many_distinct_and_not_benchmarks(tmp_path):
 
     from typer.testing import CliRunner
 
+    from flashdraft.cli.data import data_app
     from flashdraft.codeprompts import stdlib_code_prompts
-    from flashdraft.data import data_app
     from flashdraft.prompts import load_conversations
 
     prompts = stdlib_code_prompts(seed=0)

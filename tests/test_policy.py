@@ -113,9 +113,11 @@ def test_policy_verifies_the_full_block_when_sure(tiny):
 
 def test_measured_costs_are_positive_and_cover_the_block(tiny):
     target, draft = tiny
-    costs = measure_costs(target, draft, lengths=(1, 2, 8), contexts=(16, 48), repeats=1)
-    assert costs.lengths == [1, 2, 8] and costs.draft_dtype in ("float32", "bfloat16")
-    assert all(float(costs.verify_s(n, 32)) > 0 for n in (1, 3, 8)) and costs.draft_s(32) > 0
+    costs = measure_costs(target, draft, lengths=(1, 2, 8), contexts=(16, 48), repeats=1, batch_tokens=(32,))
+    # the block's lengths, then the longer forwards batched decoding verifies (rows x tokens)
+    assert costs.lengths == [1, 2, 8, 32] and costs.draft_dtype in ("float32", "bfloat16")
+    assert all(float(costs.verify_s(n, 32)) > 0 for n in (1, 3, 8, 32, 64)) and costs.draft_s(32) > 0
+    assert costs.draft_batch_s(4, 32) >= costs.draft_s(32) and costs.draft_row_s >= 0
 
 
 def test_the_drafter_is_probed_before_lookup_can_win(tiny):

@@ -19,6 +19,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from .model import DFlashCheckpointError
     from .packs import PackError
     from .prompts import PromptFormatError
+    from .remote import RemoteError
     from .sampling import SamplingError
     from .target import TargetError
 
@@ -28,6 +29,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
         DatasetError,
         DFlashConfigError,
         DFlashCheckpointError,
+        RemoteError,
         GenerationError,
         PackError,
         PromptFormatError,

@@ -1,0 +1,227 @@
+"""Benchmark settings: the methods, the local and server configurations and their checks, the machine record."""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+
+from ..datasets import BenchDataset, load_bench_dataset
+from ..progress import progress_bar
+
+METHODS: dict[str, str] = {
+    "ar": "flashdraft plain decoding (same loop, no drafter)",
+    "hf": "transformers generate (greedy / sampling, no speculation)",
+    "dflash": "flashdraft DFlash speculative decoding (default: cost-aware verify length, --block-size auto)",
+    "dflash-fixed": "flashdraft DFlash with a fixed verify length: the drafter's trained block (the paper's setting)",
+    "sd": "transformers assisted generation with a small draft model",
+    "pld": "transformers prompt-lookup decoding",
+}
+
+
+DFLASH_METHODS = ("dflash", "dflash-fixed")
+
+
+REFERENCE = "ar"  # the output every method must reproduce at T=0, and the first speedup baseline
+
+
+HF_BASELINE = "hf"
+
+
+console = Console(stderr=True)
+
+
+class BenchError(ValueError):
+    """A benchmark that cannot run as asked (bad method list, missing model, unreachable server, ...)."""
+
+
+@dataclass
+class BenchConfig:
+    target: str
+    datasets: list[str]
+    methods: list[str] = field(default_factory=lambda: ["ar", "hf", "dflash"])
+    draft: str | None = None
+    assistant: str | None = None
+    max_samples: int | None = None
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    block_size: int | None = None
+    pld_tokens: int = 10
+    seed: int = 0
+    out_dir: Path | None = None
+    device: str | None = None
+    dtype: str | None = None
+    threads: int | None = None
+    thinking: bool | None = None
+    chat: bool = True
+    save_outputs: bool = False
+    warmup: bool = True
+    plots: bool = True
+    command: str | None = None
+    show_progress: bool = True
+
+
+@dataclass
+class ServerBenchConfig:
+    base_url: str
+    datasets: list[str]
+    model: str | None = None
+    concurrency: list[int] = field(default_factory=lambda: [1])
+    api: str = "chat"  # chat -> /v1/chat/completions, completion -> /v1/completions
+    stream: bool = True
+    max_samples: int | None = None
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    seed: int = 0
+    timeout_s: float = 600.0
+    thinking: bool | None = None
+    api_key: str | None = None  # sent as a Bearer token; never written to results
+    out_dir: Path | None = None
+    save_outputs: bool = False
+    warmup: bool = True
+    plots: bool = True
+    command: str | None = None
+    show_progress: bool = True
+
+
+def parse_methods(text: str | Sequence[str]) -> list[str]:
+    items = [m.strip().lower() for m in (text.split(",") if isinstance(text, str) else text) if m.strip()]
+    unknown = [m for m in items if m not in METHODS]
+    if unknown:
+        raise BenchError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    if not items:
+        raise BenchError(f"no methods given; choose from {', '.join(METHODS)}")
+    methods = list(dict.fromkeys(items))
+    if REFERENCE not in methods:
+        methods.insert(0, REFERENCE)  # the output-equality check and speedups need the reference
+    return methods
+
+
+def parse_concurrency(text: str | Sequence[int]) -> list[int]:
+    try:
+        levels = (
+            [int(x) for x in text.split(",") if x.strip()]
+            if isinstance(text, str)
+            else [int(x) for x in text]
+        )
+    except ValueError:
+        raise BenchError(f"--concurrency expects comma-separated positive integers, got {text!r}") from None
+    if not levels or any(c < 1 for c in levels):
+        raise BenchError(f"--concurrency expects comma-separated positive integers, got {text!r}")
+    return levels
+
+
+def split_datasets(text: str) -> list[str]:
+    """`gsm8k,humaneval` -> two datasets; a file path containing a comma stays whole."""
+    if Path(text).expanduser().is_file():
+        return [text]
+    names = [d.strip() for d in text.split(",") if d.strip()]
+    if not names:
+        raise BenchError("no dataset given")
+    return names
+
+
+def validate_common(max_new_tokens: int, temperature: float, max_samples: int | None) -> None:
+    if max_new_tokens < 1:
+        raise BenchError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise BenchError(f"--temperature must be >= 0, got {temperature}")
+    if max_samples is not None and max_samples < 1:
+        raise BenchError(f"--max-samples must be at least 1, got {max_samples}")
+
+
+def validate_config(cfg: BenchConfig) -> None:
+    """Every check that needs no model: fail in a second, not after loading weights."""
+    cfg.methods = parse_methods(cfg.methods)
+    validate_common(cfg.max_new_tokens, cfg.temperature, cfg.max_samples)
+    if any(m in DFLASH_METHODS for m in cfg.methods) and not cfg.draft:
+        raise BenchError("method dflash needs a drafter: pass --draft DIR")
+    if "sd" in cfg.methods and not cfg.assistant:
+        raise BenchError(
+            "method sd needs a small draft model sharing the target's tokenizer: pass --assistant MODEL "
+            "(e.g. qwen2.5-coder-0.5b-instruct for qwen2.5-coder-1.5b-instruct)"
+        )
+    if cfg.block_size is not None and cfg.block_size < 1:
+        raise BenchError(f"--block-size must be at least 1, got {cfg.block_size}")
+    if cfg.dtype is not None and cfg.dtype not in ("float32", "bfloat16", "float16"):
+        raise BenchError(f"--dtype must be float32, bfloat16 or float16, got {cfg.dtype!r}")
+    if cfg.pld_tokens < 1:
+        raise BenchError(f"--pld-tokens must be at least 1, got {cfg.pld_tokens}")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(
+    device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> dict[str, Any]:
+    import transformers
+
+    from .. import __version__
+
+    info: dict[str, Any] = {
+        "cpu": _cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "affinity_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "flashdraft": __version__,
+        "device": str(device) if device is not None else None,
+        "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None,
+    }
+    try:
+        import psutil
+
+        info["physical_cores"] = psutil.cpu_count(logical=False)
+        info["memory_gb"] = round(psutil.virtual_memory().total / 1e9, 1)
+    except ImportError:
+        pass
+    if hasattr(os, "getloadavg"):  # other jobs on the machine make timings noisy: record how busy it was
+        info["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    if device is not None and torch.device(device).type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def progress_display(enabled: bool) -> Progress:
+    return progress_bar(enabled, unit="prompts", console=console)
+
+
+def default_out_dir(datasets: Sequence[str]) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    label = "-".join(Path(d).name.split(".")[0] for d in datasets)[:60]
+    return Path("bench-results") / f"{label}-{stamp}"
+
+
+def load_datasets(names: Sequence[str], max_samples: int | None, seed: int) -> list[BenchDataset]:
+    return [load_bench_dataset(name, max_samples=max_samples, seed=seed) for name in names]
+
+
+def dataset_info(ds: BenchDataset) -> dict[str, Any]:
+    return {
+        "name": ds.name,
+        "source": ds.source,
+        "records": ds.num_records,
+        "conversations": len(ds.conversations),
+        "turns": ds.num_turns,
+        "sample_indices": ds.sample_indices,
+    }

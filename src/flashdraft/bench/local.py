@@ -1,0 +1,432 @@
+"""The local backend: every method in this process on the same prompts, interleaved prompt by prompt."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..datasets import BenchDataset
+from ..progress import busy_machine_warning
+from .config import (
+    DFLASH_METHODS,
+    REFERENCE,
+    BenchConfig,
+    BenchError,
+    console,
+    dataset_info,
+    default_out_dir,
+    load_datasets,
+    machine_info,
+    progress_display,
+    validate_config,
+)
+from .metrics import SampleRecord, add_speedups, first_difference, summarize_records
+from .report import write_results
+
+
+@dataclass
+class RunOutput:
+    new_ids: list[int]
+    ttft_s: float
+    decode_s: float
+    first_chunk: int  # tokens emitted with the first chunk (1 for plain decoding)
+    step_tokens: list[int]
+    draft_lengths: list[int] = field(default_factory=list)
+    accepted_drafts: list[int] = field(default_factory=list)
+    stop_reason: str = ""
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _ChunkTimer:
+    """A transformers streamer (duck-typed: put/end) that timestamps the first emitted chunk and records every
+    chunk's size. generate() first puts the prompt, then one chunk per target forward (1 token for greedy, the accepted
+    tokens + 1 for assisted / prompt-lookup decoding).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.prompt_seen = False
+        self.first_at: float | None = None
+        self.chunks: list[int] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        if self.first_at is None:
+            _sync(self.device)
+            self.first_at = time.perf_counter()
+        self.chunks.append(int(value.numel()))
+
+    def end(self) -> None:
+        pass
+
+
+class LocalMethods:
+    """Loads the models once and runs any method on a prompt."""
+
+    def __init__(self, cfg: BenchConfig) -> None:
+        from ..model import DFlashDraftModel
+        from ..target import load_target
+
+        self.cfg = cfg
+        self.target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
+        self.device = self.target.device
+        self.stop_ids = self.target.eos_token_ids
+        tok = self.target.tokenizer
+        pad = getattr(tok, "pad_token_id", None) if tok is not None else None
+        self.pad_id = pad if pad is not None else (self.stop_ids[0] if self.stop_ids else 0)
+        self.draft = None
+        self.block_size: int | None = (
+            None  # the drafter's trained block (histogram bins, fixed verify length)
+        )
+        self.verify: int | str = "auto"  # what method dflash verifies: "auto" or a fixed block size
+        self.cost_model = None
+        if any(m in DFLASH_METHODS for m in cfg.methods):
+            self.draft = DFlashDraftModel.from_pretrained(
+                cfg.draft, dtype=self.target.dtype, device=self.device
+            )
+            self.target.check_drafter(self.draft.config)
+            self.block_size = self.draft.config.block_size
+            self.verify = cfg.block_size or "auto"
+            if cfg.block_size and cfg.block_size > self.block_size:
+                raise BenchError(
+                    f"--block-size {cfg.block_size} exceeds the drafter's block size {self.block_size}"
+                )
+            if self.verify == "auto" and "dflash" in cfg.methods:
+                from ..costs import load_or_measure_costs
+
+                self.cost_model = load_or_measure_costs(
+                    self.target, self.draft, log=lambda m: console.print(m, soft_wrap=True)
+                )
+                console.print(self.cost_model.summary(), soft_wrap=True)
+        self.assistant = None
+        if "sd" in cfg.methods:
+            self.assistant = load_target(cfg.assistant, dtype=self.target.dtype, device=self.device)
+            other = self.assistant.tokenizer
+            if tok is not None and other is not None and tok.get_vocab() != other.get_vocab():
+                raise BenchError(
+                    f"assistant {cfg.assistant!r} does not share the tokenizer of {cfg.target!r}: sd needs a "
+                    "draft model of the same family"
+                )
+
+    @property
+    def drafter_info(self) -> dict[str, Any] | None:
+        if self.draft is None:
+            return None
+        c = self.draft.config
+        return {
+            "path": str(self.cfg.draft),
+            "block_size": c.block_size,
+            "layers": c.num_hidden_layers,
+            "target_layer_ids": list(c.target_layer_ids),
+            "mask_token_id": c.mask_token_id,
+            "parameters": self.draft.num_parameters(),
+            "flashdraft": getattr(c, "flashdraft", None) or {},
+        }
+
+    def hf_generation_settings(self) -> dict[str, Any]:
+        """The transformers settings that decide what sd/pld do (recorded in results.json)."""
+        settings: dict[str, Any] = {"prompt_lookup_num_tokens": self.cfg.pld_tokens}
+        if self.assistant is not None:
+            gen = self.assistant.model.generation_config
+            defaults = (
+                gen._get_default_generation_params() if hasattr(gen, "_get_default_generation_params") else {}
+            )
+            for key in (
+                "num_assistant_tokens",
+                "num_assistant_tokens_schedule",
+                "assistant_confidence_threshold",
+            ):
+                value = getattr(gen, key, None)
+                settings[key] = value if value is not None else defaults.get(key)
+        return settings
+
+    def run(self, method: str, input_ids: torch.Tensor, max_new_tokens: int, seed: int) -> RunOutput:
+        if method in ("ar", *DFLASH_METHODS):
+            return self._run_engine(method, input_ids, max_new_tokens, seed)
+        extra: dict[str, Any] = {}
+        if method == "sd":
+            extra["assistant_model"] = self.assistant.model
+        elif method == "pld":
+            extra["prompt_lookup_num_tokens"] = self.cfg.pld_tokens
+        return self._run_transformers(input_ids, max_new_tokens, seed, extra)
+
+    def _run_engine(self, method: str, input_ids: torch.Tensor, max_new_tokens: int, seed: int) -> RunOutput:
+        from ..generate import generate, generate_ar
+
+        common = dict(max_new_tokens=max_new_tokens, temperature=self.cfg.temperature, seed=seed)
+        if method in DFLASH_METHODS:
+            verify = self.verify if method == "dflash" else self.block_size
+            res = generate(
+                self.target, self.draft, input_ids, block_size=verify, costs=self.cost_model, **common
+            )
+        else:
+            res = generate_ar(self.target, input_ids, **common)
+        return RunOutput(
+            new_ids=res.new_tokens,
+            ttft_s=res.prefill_s,
+            decode_s=res.decode_s,
+            first_chunk=1,
+            step_tokens=list(res.acceptance_lengths),
+            # Plain decoding proposes nothing: its all-zero draft logs carry no information.
+            draft_lengths=list(res.draft_lengths) if method in DFLASH_METHODS else [],
+            accepted_drafts=list(res.accepted_drafts) if method in DFLASH_METHODS else [],
+            stop_reason=res.stop_reason,
+        )
+
+    def _run_transformers(
+        self, input_ids: torch.Tensor, max_new_tokens: int, seed: int, extra: dict[str, Any]
+    ) -> RunOutput:
+        kwargs: dict[str, Any] = {
+            "attention_mask": torch.ones_like(input_ids),
+            "max_new_tokens": max_new_tokens,
+            "eos_token_id": self.stop_ids or None,
+            "pad_token_id": self.pad_id,
+        }
+        if self.cfg.temperature == 0:
+            # None stops the model's generation_config from injecting sampling parameters.
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        else:
+            kwargs.update(do_sample=True, temperature=self.cfg.temperature, top_p=1.0, top_k=0)
+            torch.manual_seed(seed)
+        timer = _ChunkTimer(self.device)
+        _sync(self.device)
+        t0 = time.perf_counter()
+        out = self.target.model.generate(input_ids, streamer=timer, **kwargs, **extra)
+        _sync(self.device)
+        t_end = time.perf_counter()
+        new_ids = out[0, input_ids.shape[1] :].tolist()
+        stop_reason = "max_new_tokens"
+        for i, tok in enumerate(new_ids):  # generate pads after a stop token in some modes; cut there
+            if tok in self.stop_ids:
+                new_ids = new_ids[: i + 1]
+                stop_reason = "stop_token"
+                break
+        first_at = timer.first_at if timer.first_at is not None else t_end
+        first_chunk = timer.chunks[0] if timer.chunks else len(new_ids)
+        return RunOutput(
+            new_ids=new_ids,
+            ttft_s=first_at - t0,
+            decode_s=t_end - first_at,
+            first_chunk=min(first_chunk, len(new_ids)),
+            step_tokens=timer.chunks[1:],  # decode-phase forwards, like the engine's acceptance lengths
+            stop_reason=stop_reason,
+        )
+
+
+def _mismatch_entry(rec: SampleRecord, ref: RunOutput, out: RunOutput, tokenizer: Any) -> dict[str, Any]:
+    i = rec.first_mismatch or 0
+    lo = max(0, i - 8)
+
+    def text(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False) if tokenizer is not None else str(ids)
+
+    return {
+        "dataset": rec.dataset,
+        "conversation_id": rec.conversation_id,
+        "turn": rec.turn,
+        "method": rec.method,
+        "first_mismatch": i,
+        "reference_tokens": len(ref.new_ids),
+        "method_tokens": len(out.new_ids),
+        "reference_ids": ref.new_ids[lo : i + 8],
+        "method_ids": out.new_ids[lo : i + 8],
+        "reference_text": text(ref.new_ids[lo : i + 8]),
+        "method_text": text(out.new_ids[lo : i + 8]),
+    }
+
+
+def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+    """Run the local benchmark and write results.json, report.md and plots to `cfg.out_dir`; return the results."""
+    validate_config(cfg)
+    datasets = load_datasets(cfg.datasets, cfg.max_samples, cfg.seed)
+    previous_threads = torch.get_num_threads()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _run_local(cfg, datasets)
+    finally:
+        torch.set_num_threads(previous_threads)  # callers in the same process keep their setting
+
+
+def _run_local(cfg: BenchConfig, datasets: list[BenchDataset]) -> dict[str, Any]:
+    torch.manual_seed(cfg.seed)
+    out_dir = Path(cfg.out_dir) if cfg.out_dir else default_out_dir(cfg.datasets)
+
+    console.print(f"loading {cfg.target}" + (f" + drafter {cfg.draft}" if cfg.draft else ""))
+    runner = LocalMethods(cfg)
+    target, tokenizer = runner.target, runner.target.tokenizer
+    greedy = cfg.temperature == 0
+    records: list[SampleRecord] = []
+    mismatches: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+    interrupted = False
+    started = datetime.now(timezone.utc)
+    load_at_start = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+    busy = busy_machine_warning(target.device.type, torch.get_num_threads())
+    if busy:
+        console.print(f"[yellow]warning:[/] {busy}")
+
+    def encode(messages: list[dict[str, str]], system: str | None) -> torch.Tensor:
+        return target.encode_prompt(messages, chat=cfg.chat, enable_thinking=cfg.thinking, system=system)
+
+    with torch.inference_mode():
+        if cfg.warmup:
+            # First-call overheads (allocator, kernels, lazy init) are paid here by every method, not measured.
+            first = datasets[0].conversations[0]
+            ids = encode([{"role": "user", "content": first.user_turns[0]}], first.system)
+            for method in cfg.methods:
+                runner.run(method, ids, min(cfg.max_new_tokens, 16), cfg.seed)
+
+        total_turns = sum(ds.num_turns for ds in datasets)
+        prompt_index = 0
+        with progress_display(cfg.show_progress) as progress:
+            task = progress.add_task("bench", total=total_turns)
+            try:
+                for ds in datasets:
+                    progress.update(task, description=ds.name)
+                    for conv in ds.conversations:
+                        messages: list[dict[str, str]] = []
+                        for turn, user_text in enumerate(conv.user_turns):
+                            messages.append({"role": "user", "content": user_text})
+                            ids = encode(messages, conv.system)
+                            if ids.shape[1] + cfg.max_new_tokens > target.max_context:
+                                skipped.append(
+                                    {"dataset": ds.name, "conversation_id": conv.id, "turn": turn,
+                                     "reason": f"prompt of {ids.shape[1]} tokens + max_new_tokens exceeds the "
+                                               f"context of {target.max_context}"}
+                                )  # fmt: skip
+                                progress.advance(task, len(conv.user_turns) - turn)
+                                break
+                            # Rotate the order so no method always runs first (cache warmth, thermal drift).
+                            shift = prompt_index % len(cfg.methods)
+                            order = cfg.methods[shift:] + cfg.methods[:shift]
+                            seed = cfg.seed + prompt_index
+                            outputs = {m: runner.run(m, ids, cfg.max_new_tokens, seed) for m in order}
+                            ref = outputs[REFERENCE]
+                            for method in cfg.methods:
+                                out = outputs[method]
+                                rec = SampleRecord(
+                                    dataset=ds.name,
+                                    conversation_id=conv.id,
+                                    turn=turn,
+                                    method=method,
+                                    prompt_tokens=int(ids.shape[1]),
+                                    new_tokens=len(out.new_ids),
+                                    ttft_s=out.ttft_s,
+                                    decode_s=out.decode_s,
+                                    decode_tokens=max(len(out.new_ids) - out.first_chunk, 0),
+                                    step_tokens=out.step_tokens,
+                                    draft_lengths=out.draft_lengths,
+                                    accepted_drafts=out.accepted_drafts,
+                                    stop_reason=out.stop_reason,
+                                    output_ids=out.new_ids,
+                                )
+                                if greedy and method != REFERENCE:
+                                    rec.first_mismatch = first_difference(ref.new_ids, out.new_ids)
+                                    rec.matches_reference = rec.first_mismatch is None
+                                    if not rec.matches_reference:
+                                        mismatches.append(_mismatch_entry(rec, ref, out, tokenizer))
+                                if cfg.save_outputs and tokenizer is not None:
+                                    rec.output_text = tokenizer.decode(out.new_ids, skip_special_tokens=True)
+                                records.append(rec)
+                            # The next turn is conditioned on the target's own answer (z-lab's mt-bench protocol).
+                            answer = (
+                                tokenizer.decode(ref.new_ids, skip_special_tokens=True) if tokenizer else ""
+                            )
+                            messages.append({"role": "assistant", "content": answer})
+                            prompt_index += 1
+                            progress.advance(task)
+            except KeyboardInterrupt:
+                interrupted = True
+                console.print("[yellow]interrupted: writing the results measured so far[/]")
+
+    results = _local_results(cfg, runner, datasets, records, mismatches, skipped, started, interrupted)
+    results["machine"]["load_average_start"] = load_at_start
+    write_results(results, out_dir, records if cfg.save_outputs else None, plots=cfg.plots)
+    results["out_dir"] = str(out_dir)
+    return results
+
+
+def _local_results(
+    cfg: BenchConfig,
+    runner: LocalMethods,
+    datasets: list[BenchDataset],
+    records: list[SampleRecord],
+    mismatches: list[dict[str, Any]],
+    skipped: list[dict[str, Any]],
+    started: datetime,
+    interrupted: bool,
+) -> dict[str, Any]:
+    summary: dict[str, dict[str, Any]] = {}
+    groups = [ds.name for ds in datasets] + (["all"] if len(datasets) > 1 else [])
+    for group in groups:
+        by_method = {}
+        for method in cfg.methods:
+            recs = [r for r in records if r.method == method and (group == "all" or r.dataset == group)]
+            if recs:
+                by_method[method] = summarize_records(recs, runner.block_size)
+        add_speedups(by_method)
+        summary[group] = by_method
+    settings = {
+        "backend": "local",
+        "target": cfg.target,
+        "draft": cfg.draft,
+        "assistant": cfg.assistant,
+        "methods": cfg.methods,
+        "datasets": cfg.datasets,
+        "max_samples": cfg.max_samples,
+        "max_new_tokens": cfg.max_new_tokens,
+        "temperature": cfg.temperature,
+        "block_size": runner.block_size,
+        "verify": runner.verify,
+        "cost_model": runner.cost_model.to_dict() if runner.cost_model is not None else None,
+        "seed": cfg.seed,
+        "chat_template": cfg.chat,
+        "enable_thinking": cfg.thinking,
+        "stop_token_ids": runner.stop_ids,
+        "warmup": cfg.warmup,
+        "transformers_generation": runner.hf_generation_settings(),
+    }
+    return {
+        "kind": "flashdraft-bench",
+        "version": 1,
+        "command": cfg.command,
+        "started": started.isoformat(timespec="seconds"),
+        "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "interrupted": interrupted,
+        "settings": settings,
+        "machine": machine_info(runner.device, runner.target.dtype),
+        "drafter": runner.drafter_info,
+        "datasets": [dataset_info(ds) for ds in datasets],
+        "definitions": {
+            "ttft_s": "time to the first emitted chunk (prefill + first token; for sd/pld the first verify step)",
+            "tpot_s": "mean over prompts of decode time / tokens emitted after the first chunk",
+            "speedup_vs_X": "mean TPOT of X / mean TPOT of the method (decode phase only, z-lab convention)",
+            "throughput_speedup_vs_X": "tokens/s of the method / tokens/s of X, end to end (TTFT included)",
+            "tau": "tokens emitted per target forward in the decode phase, bonus token included (pooled)",
+            "acceptance_histogram": "counts[n] = decode steps that emitted n tokens",
+            "slot_acceptance.rate": "P(draft slot k accepted | slots < k accepted)",
+        },
+        "summary": summary,
+        "equality": {
+            "checked": cfg.temperature == 0,
+            "reference": REFERENCE,
+            "mismatches": len(mismatches),
+            "compared": sum(1 for r in records if r.matches_reference is not None),
+            "details": mismatches,
+        },
+        "skipped": skipped,
+        "samples": [r.to_dict() for r in records],
+    }

@@ -1,0 +1,185 @@
+"""What a benchmark measures: τ, acceptance histograms, per-slot acceptance, TPOT, speedups, percentiles."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .config import HF_BASELINE, REFERENCE
+
+
+def mean_acceptance_length(acceptance_lengths: Sequence[int]) -> float | None:
+    """τ pooled over steps: tokens emitted / target forwards (None without steps)."""
+    return sum(acceptance_lengths) / len(acceptance_lengths) if acceptance_lengths else None
+
+
+def acceptance_histogram(acceptance_lengths: Sequence[int], max_length: int | None = None) -> list[int]:
+    """counts[n] = number of steps that emitted n tokens, for n = 0..max_length (z-lab's histogram layout)."""
+    top = max([max_length or 0, *acceptance_lengths]) if acceptance_lengths else (max_length or 0)
+    counts = [0] * (top + 1)
+    for n in acceptance_lengths:
+        counts[n] += 1
+    return counts
+
+
+def per_slot_acceptance(draft_lengths: Sequence[int], accepted_drafts: Sequence[int]) -> list[dict[str, Any]]:
+    """Acceptance of draft slot k = 1..max(draft_lengths), one dict per slot.
+
+    A step that proposed d drafts and had a accepted reached slot k when k <= d and a >= k-1 (every earlier slot
+    was accepted); slot k was accepted when a >= k. `rate` = accepted / reached (conditional, what a drafter is
+    trained for); `unconditional_rate` = accepted / steps that proposed slot k (vLLM's per-position rate).
+    """
+    if len(draft_lengths) != len(accepted_drafts):
+        raise ValueError("draft_lengths and accepted_drafts must have one entry per step")
+    slots = []
+    for k in range(1, max(draft_lengths, default=0) + 1):
+        proposed = sum(1 for d in draft_lengths if d >= k)
+        reached = sum(1 for d, a in zip(draft_lengths, accepted_drafts, strict=True) if d >= k and a >= k - 1)
+        accepted = sum(1 for d, a in zip(draft_lengths, accepted_drafts, strict=True) if d >= k and a >= k)
+        slots.append(
+            {
+                "slot": k,
+                "proposed": proposed,
+                "reached": reached,
+                "accepted": accepted,
+                "rate": accepted / reached if reached else None,
+                "unconditional_rate": accepted / proposed if proposed else None,
+            }
+        )
+    return slots
+
+
+def time_per_output_token(decode_s: float, decode_tokens: int) -> float | None:
+    """Seconds per token of the decode phase (None when nothing was decoded after the first chunk)."""
+    return decode_s / decode_tokens if decode_tokens > 0 and decode_s > 0 else None
+
+
+def speedup(baseline_tpot: float | None, method_tpot: float | None) -> float | None:
+    """How many times faster than the baseline: baseline TPOT / method TPOT."""
+    if not baseline_tpot or not method_tpot:
+        return None
+    return baseline_tpot / method_tpot
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """q-th percentile (0..100) with linear interpolation, like numpy's default."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def mean_or_none(values: Sequence[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+@dataclass
+class SampleRecord:
+    """One method on one prompt turn: every raw number the summaries are computed from."""
+
+    dataset: str
+    conversation_id: str
+    turn: int
+    method: str
+    prompt_tokens: int
+    new_tokens: int
+    ttft_s: float  # until the first emitted chunk
+    decode_s: float  # after it
+    decode_tokens: int  # tokens emitted after the first chunk
+    step_tokens: list[int] = field(default_factory=list)  # tokens per target forward in the decode phase (τ)
+    draft_lengths: list[int] = field(default_factory=list)  # dflash: drafts proposed per step
+    accepted_drafts: list[int] = field(default_factory=list)  # dflash: drafts accepted per step
+    stop_reason: str = ""
+    matches_reference: bool | None = None  # None: not compared (sampling, or the reference itself)
+    first_mismatch: int | None = None
+    output_ids: list[int] = field(default_factory=list, repr=False)
+    output_text: str | None = field(default=None, repr=False)
+
+    @property
+    def total_s(self) -> float:
+        return self.ttft_s + self.decode_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        return time_per_output_token(self.decode_s, self.decode_tokens)
+
+    def to_dict(self, with_outputs: bool = False) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("output_ids")
+        d.pop("output_text")
+        d["total_s"] = self.total_s
+        d["tpot_s"] = self.tpot_s
+        if with_outputs:
+            d["output_ids"] = self.output_ids
+            d["output_text"] = self.output_text
+        return d
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first differing token (the shorter length if one is a prefix of the other); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def summarize_records(records: Sequence[SampleRecord], block_size: int | None = None) -> dict[str, Any]:
+    """Aggregate the records of one method (usually on one dataset)."""
+    new_tokens = sum(r.new_tokens for r in records)
+    total_s = sum(r.total_s for r in records)
+    decode_tokens = sum(r.decode_tokens for r in records)
+    decode_s = sum(r.decode_s for r in records)
+    tpots = [r.tpot_s for r in records if r.tpot_s is not None]
+    ttfts = [r.ttft_s for r in records]
+    steps = [n for r in records for n in r.step_tokens]
+    compared = [r for r in records if r.matches_reference is not None]
+    summary: dict[str, Any] = {
+        "samples": len(records),
+        "new_tokens": new_tokens,
+        "decode_tokens": decode_tokens,
+        "total_s": total_s,
+        "decode_s": decode_s,
+        "tokens_per_s": new_tokens / total_s if total_s > 0 else None,
+        "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 else None,
+        "tpot_s": mean_or_none(tpots),  # mean over prompts of decode_s / decode_tokens
+        "ttft_s": mean_or_none(ttfts),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "tau": mean_acceptance_length(steps),
+        "tau_per_sample_mean": mean_or_none(
+            [sum(r.step_tokens) / len(r.step_tokens) for r in records if r.step_tokens]
+        ),
+        "steps": len(steps),
+        "compared": len(compared),
+        "mismatches": sum(1 for r in compared if not r.matches_reference),
+    }
+    drafted = any(d > 0 for r in records for d in r.draft_lengths)
+    if drafted or any(n > 1 for n in steps):
+        summary["acceptance_histogram"] = acceptance_histogram(steps, block_size)
+    if drafted:
+        # How many proposals each step verified (0 = a plain step): what a cost-aware policy chose.
+        lengths = [d for r in records for d in r.draft_lengths]
+        summary["verify_length_histogram"] = {
+            str(n): lengths.count(n) for n in range(max(lengths) + 1) if lengths.count(n)
+        }
+        summary["slot_acceptance"] = per_slot_acceptance(
+            [d for r in records for d in r.draft_lengths], [a for r in records for a in r.accepted_drafts]
+        )
+    return summary
+
+
+def add_speedups(by_method: dict[str, dict[str, Any]]) -> None:
+    """Speedups of every method vs `ar` and vs `hf` (when they ran), in place."""
+    for baseline in (REFERENCE, HF_BASELINE):
+        base = by_method.get(baseline)
+        for summary in by_method.values():
+            summary[f"speedup_vs_{baseline}"] = speedup(base["tpot_s"], summary["tpot_s"]) if base else None
+            summary[f"throughput_speedup_vs_{baseline}"] = (
+                summary["tokens_per_s"] / base["tokens_per_s"]
+                if base and base["tokens_per_s"] and summary["tokens_per_s"]
+                else None
+            )

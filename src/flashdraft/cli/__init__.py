@@ -1,0 +1,65 @@
+"""`flashdraft` command line. One module per command group; this package sits on top: nothing in flashdraft
+imports it.
+
+    models      offline model packs                 (cli/models.py)
+    init-draft  a fresh drafter; train: the recipe  (cli/train.py)
+    generate    one prompt, speculative vs plain    (cli/generate.py)
+    serve       the OpenAI-compatible server        (cli/serve.py)
+    data        regenerate, features, code-prompts  (cli/data.py)
+    bench       τ and speedups, local or a server   (cli/bench.py)
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from ..errors import one_line_errors, print_error, user_errors
+from .bench import bench_command
+from .common import console
+from .data import data_app
+from .generate import generate_command
+from .models import models_app
+from .serve import serve_command
+from .train import init_draft, train
+
+app = typer.Typer(
+    help="DFlash block-diffusion speculative decoding for Hugging Face models.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.add_typer(models_app, name="models")
+app.command("init-draft")(init_draft)
+app.command("generate")(generate_command)
+app.command("train")(train)
+app.command("serve")(serve_command)
+app.add_typer(data_app, name="data")
+app.command("bench")(bench_command)
+
+
+@app.callback()
+def _root(
+    verbose: Annotated[
+        bool, typer.Option("--verbose", help="show transformers' own load bars and messages")
+    ] = False,
+) -> None:
+    from ..progress import quiet_libraries
+
+    quiet_libraries(verbose)
+
+
+def main() -> None:
+    try:
+        app()
+    except user_errors() as e:
+        print_error(e)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]")
+        sys.exit(130)
+
+
+__all__ = ["app", "main", "one_line_errors"]

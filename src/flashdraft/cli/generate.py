@@ -1,0 +1,209 @@
+"""`flashdraft generate`: one prompt through the speculative decoder (and plain decoding to compare)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from ..errors import one_line_errors
+from .common import console, out, parse_block_size
+
+
+# ---------------------------------------------------------------------------------------------- generate
+class _Streamer:
+    """Prints text as tokens arrive (decoding the whole answer each time keeps multi-byte characters intact)."""
+
+    def __init__(self, tokenizer: Any, enabled: bool) -> None:
+        self.tokenizer, self.enabled = tokenizer, enabled
+        self.tokens: list[int] = []
+        self.printed = ""
+
+    def __call__(self, new_tokens: list[int]) -> None:
+        self.tokens.extend(new_tokens)
+        if not self.enabled:
+            return
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.startswith(self.printed):
+            sys.stdout.write(text[len(self.printed) :])
+            sys.stdout.flush()
+            self.printed = text
+
+
+@one_line_errors
+def generate_command(
+    prompt: Annotated[str, typer.Argument(help="user prompt (the chat template is applied)")],
+    target: Annotated[str, typer.Option(help="target: pack name, local path or hub id")],
+    draft: Annotated[Path, typer.Option(help="DFlash drafter directory")],
+    max_new_tokens: Annotated[int, typer.Option()] = 256,
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    top_k: Annotated[int, typer.Option(help="0 = off")] = 0,
+    block_size: Annotated[
+        str,
+        typer.Option(
+            help="auto: per step, prompt lookup, the drafter or a plain step and how many tokens to verify, by "
+            "the measured cost of this machine; N: always verify N tokens (<= the drafter's block size)"
+        ),
+    ] = "auto",
+    seed: Annotated[int | None, typer.Option()] = None,
+    compare_ar: Annotated[bool, typer.Option(help="also run plain decoding and report the speedup")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print one JSON object instead of streaming")
+    ] = False,
+    chat: Annotated[bool, typer.Option(help="apply the chat template")] = True,
+    system: Annotated[str | None, typer.Option(help="system prompt")] = None,
+    thinking: Annotated[
+        bool | None, typer.Option("--thinking/--no-thinking", help="template thinking mode")
+    ] = None,
+    dtype: Annotated[str | None, typer.Option(help="float32 | bfloat16 | float16")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu | cuda")] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(help="torch CPU threads (default: torch's; 1 is often faster on a busy machine)"),
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="library load bars and details")] = False,
+) -> None:
+    """Generate an answer with DFlash speculative decoding (lossless), streaming the text."""
+    import torch
+
+    from ..generate import GenerationError, generate, generate_ar
+    from ..model import DFlashDraftModel, load_drafter_config
+    from ..packs import resolve_model
+    from ..progress import busy_machine_warning, quiet_libraries
+    from ..sampling import SamplingParams
+    from ..target import TargetError, check_drafter_fits_config, load_target, parse_device, parse_dtype
+
+    quiet_libraries(verbose)
+    # Every check that needs no weights runs first: a typo costs a second, not a model load.
+    if not prompt.strip():
+        raise GenerationError("the prompt is empty")
+    if max_new_tokens < 1:
+        raise GenerationError(f"--max-new-tokens must be a positive integer, got {max_new_tokens}")
+    SamplingParams(temperature, top_p, top_k)
+    if threads is not None and threads < 1:
+        raise GenerationError(f"--threads must be >= 1, got {threads}")
+    dev = parse_device(device)
+    torch_dtype = parse_dtype(dtype)
+    draft_config = load_drafter_config(draft)
+    verify = parse_block_size(block_size, draft_config.block_size)
+    target_path = resolve_model(target)  # unknown pack names fail here; a pack is fetched once
+    from transformers import AutoConfig
+
+    try:
+        target_config = AutoConfig.from_pretrained(target_path)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TargetError(f"cannot read the config of target {target!r}: {first}") from None
+    check_drafter_fits_config(draft_config, target_config, target)
+    if threads:
+        torch.set_num_threads(threads)
+
+    t0 = time.perf_counter()
+    tgt = load_target(target_path, dtype=torch_dtype, device=dev)
+    tgt.name = target
+    drafter = DFlashDraftModel.from_pretrained(draft, dtype=tgt.dtype, device=tgt.device)
+    load_s = time.perf_counter() - t0
+    busy = busy_machine_warning(tgt.device.type, torch.get_num_threads())
+    if busy:
+        console.print(f"[yellow]warning:[/] {busy}")
+    if verbose:
+        console.print(
+            f"loaded {target} ({tgt.dtype}, {tgt.device}, {torch.get_num_threads()} threads) and drafter {draft} "
+            f"in {load_s:.1f} s"
+        )
+    ids = tgt.encode_prompt(prompt, chat=chat, enable_thinking=thinking, system=system)
+    if seed is None and compare_ar:  # sampling is seed-exact: one seed for both runs makes them comparable
+        seed = int(torch.randint(0, 2**31, ()).item())
+    kwargs = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    torch.set_grad_enabled(False)
+    costs = None
+    if verify == "auto":
+        from ..costs import load_or_measure_costs
+
+        costs = load_or_measure_costs(tgt, drafter, log=lambda m: console.print(m, soft_wrap=True))
+        if verbose:
+            console.print(costs.summary(), soft_wrap=True)
+    if tgt.dtype != torch.float32 and temperature == 0:
+        console.print(
+            f"[yellow]note:[/] {str(tgt.dtype).removeprefix('torch.')} target: verifying a block and decoding one "
+            "token round differently, so near-ties can flip and the output may differ from plain decoding in the "
+            "same dtype (still a valid greedy decoding up to rounding). float32 is token-for-token identical."
+        )
+    # Warm both paths up so first-call overheads do not count against either of them.
+    generate(tgt, drafter, ids[:, -8:], max_new_tokens=4, stop_token_ids=[], block_size=verify, costs=costs)
+    if compare_ar:
+        generate_ar(tgt, ids[:, -8:], max_new_tokens=4, stop_token_ids=[])
+
+    streamer = _Streamer(tgt.tokenizer, enabled=not as_json)
+    res = generate(
+        tgt, drafter, ids, max_new_tokens, block_size=verify, costs=costs, on_tokens=streamer, **kwargs
+    )
+    if not as_json:
+        sys.stdout.write("\n")
+    ar = None
+    if compare_ar:
+        console.print(
+            f"running plain decoding on the same prompt for comparison ({max_new_tokens} tokens at most)…"
+        )
+        ar = generate_ar(tgt, ids, max_new_tokens, **kwargs)
+
+    meta = drafter.config.flashdraft or {}
+    untrained = meta.get("trained") is False
+    report: dict[str, Any] = {
+        "text": tgt.tokenizer.decode(res.new_tokens, skip_special_tokens=True),
+        "target": target,
+        "draft": str(draft),
+        "prompt_tokens": res.prompt_length,
+        "load_s": load_s,
+        "dflash": res.to_dict(),
+        "block_size": verify,
+        "untrained_drafter": untrained,
+    }
+    if ar is not None:
+        report["ar"] = ar.to_dict()
+        report["speedup"] = ar.total_s / res.total_s if res.total_s else None
+        report["decode_speedup"] = ar.decode_s / res.decode_s if res.decode_s else None
+        report["identical_to_ar"] = ar.new_tokens == res.new_tokens
+    if as_json:
+        out.print_json(json.dumps(report))
+        return
+    table = Table(show_header=True, title="generation")
+    for col in ("", "tokens", "τ", "tokens/s", "decode tok/s", "prefill s", "total s"):
+        table.add_column(col)
+    table.add_row(
+        "dflash",
+        str(res.num_new_tokens),
+        f"{res.mean_acceptance_length:.2f}",
+        f"{res.tokens_per_s:.1f}",
+        f"{res.decode_tokens_per_s:.1f}",
+        f"{res.prefill_s:.2f}",
+        f"{res.total_s:.2f}",
+    )
+    if ar is not None:
+        table.add_row(
+            "plain (AR)",
+            str(ar.num_new_tokens),
+            "1.00",
+            f"{ar.tokens_per_s:.1f}",
+            f"{ar.decode_tokens_per_s:.1f}",
+            f"{ar.prefill_s:.2f}",
+            f"{ar.total_s:.2f}",
+        )
+    console.print(table)
+    console.print("τ = tokens per target forward (accepted drafts + 1); plain decoding is 1.")
+    if ar is not None:
+        line = f"speedup over plain decoding (same run): {report['speedup']:.2f}x"
+        mode = "plain greedy decoding" if temperature == 0 else f"plain sampling with the same seed ({seed})"
+        line += f" — output identical to {mode}" if report["identical_to_ar"] else " — OUTPUT DIFFERS FROM AR"
+        console.print(line)
+    if untrained:
+        console.print(
+            "[yellow]note:[/] this drafter is untrained (made by `flashdraft init-draft`): its guesses are random, "
+            "so τ≈1 and speculation only adds cost. That is expected; train it with `flashdraft train`."
+        )

@@ -1,0 +1,74 @@
+"""`flashdraft serve`: the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..errors import one_line_errors
+from .common import console, parse_block_size
+
+
+@one_line_errors
+def serve_command(
+    target: Annotated[str, typer.Option(help="target: pack name, local path or hub id")],
+    draft: Annotated[
+        Path | None, typer.Option(help="DFlash drafter directory (without it: plain decoding, the baseline)")
+    ] = None,
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = 8000,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="model id clients use (default: --target)")
+    ] = None,
+    max_queue: Annotated[int, typer.Option(help="requests that may wait; more get HTTP 503")] = 64,
+    max_batch_size: Annotated[
+        int, typer.Option(help="requests decoded together (continuous batching); 1 = one at a time")
+    ] = 8,
+    block_size: Annotated[str, typer.Option(help="auto (cost-aware) or a fixed verify length")] = "auto",
+    dtype: Annotated[str | None, typer.Option(help="float32 | bfloat16 | float16")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu | cuda")] = None,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+) -> None:
+    """Serve the target (with DFlash when --draft is given) behind an OpenAI-compatible API: up to
+    --max-batch-size requests decode together (continuous batching), the others wait in a bounded queue."""
+    import torch
+    import uvicorn
+
+    from ..generate import GenerationError
+    from ..model import DFlashDraftModel, load_drafter_config
+    from ..serve import Engine, build_app
+    from ..target import check_drafter_fits_config, load_target, parse_device, parse_dtype
+
+    dev, torch_dtype = parse_device(device), parse_dtype(dtype)
+    verify = parse_block_size(
+        block_size, load_drafter_config(draft).block_size if draft is not None else None
+    )
+    if max_queue < 1:
+        raise GenerationError(f"--max-queue must be >= 1, got {max_queue}")
+    if max_batch_size < 1:
+        raise GenerationError(f"--max-batch-size must be >= 1, got {max_batch_size}")
+    tgt = load_target(target, dtype=torch_dtype, device=dev)
+    drafter = None
+    if draft is not None:
+        check_drafter_fits_config(load_drafter_config(draft), tgt.model.config, target)
+        drafter = DFlashDraftModel.from_pretrained(draft, dtype=tgt.dtype, device=tgt.device)
+    if threads:
+        torch.set_num_threads(threads)
+    costs = None
+    if drafter is not None and verify == "auto":
+        from ..costs import load_or_measure_costs
+
+        costs = load_or_measure_costs(tgt, drafter, log=lambda m: console.print(m, soft_wrap=True))
+    engine = Engine(
+        tgt, drafter, max_queue=max_queue, block_size=verify, max_batch_size=max_batch_size, costs=costs
+    )
+    name = served_model_name or target
+    console.print(
+        f"serving {name!r} ({'DFlash ' + str(draft) if draft else 'plain decoding'}) on http://{host}:{port}/v1"
+    )
+    try:
+        uvicorn.run(build_app(engine, name), host=host, port=port, log_level="warning")
+    finally:
+        engine.close()
