@@ -16,7 +16,9 @@ from flashdraft.train import (
     draft_hidden_for_blocks,
     make_blocks,
     sample_anchors,
+    init_layers_from_target,
     slot_weights,
+    target_distribution,
     weighted_block_loss,
 )
 
@@ -83,6 +85,56 @@ def test_weighted_block_loss_matches_autograd_reference(softcap):
     assert correct[0]
     with torch.no_grad():  # evaluation: same value, no gradient work
         torch.testing.assert_close(weighted_block_loss(target, hidden, labels, weights, chunk_size=4)[0], ref)
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_kl_term_matches_autograd_reference(softcap):
+    """CE + kl * KL(target || draft), fused, equals the plain autograd formula: value and gradient."""
+    torch.manual_seed(1)
+    model = tiny_model("llama")
+    model.config.final_logit_softcapping = softcap
+    target = Target(model)
+    rows, positions, kl = 19, 7, 0.7
+    hidden = torch.randn(rows, model.config.hidden_size, requires_grad=True)
+    labels = torch.randint(0, VOCAB, (rows,))
+    weights = torch.rand(rows) * (torch.rand(rows) > 0.3)
+    last_hidden = torch.randn(positions, model.config.hidden_size)
+    index = torch.randint(0, positions, (rows,))
+    probs, entropy = target_distribution(target, last_hidden, chunk_size=3)
+    loss, _ = weighted_block_loss(
+        target, hidden, labels, weights, 4, soft=(probs, entropy, index), kl_weight=kl
+    )
+    loss.backward()
+    fused_grad, hidden.grad = hidden.grad.clone(), None
+
+    keep = weights > 0
+    logq = target.lm_head_logits(hidden).log_softmax(-1)[keep]
+    logp = target.lm_head_logits(last_hidden).log_softmax(-1)[index[keep]]
+    ce = -logq.gather(1, labels[keep][:, None])[:, 0]
+    kl_div = (logp.exp() * (logp - logq)).sum(-1)
+    ref = ((ce + kl * kl_div) * weights[keep]).sum()
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(fused_grad, hidden.grad)
+    # kl_weight 0 is the plain loss
+    plain = weighted_block_loss(
+        target, hidden, labels, weights, 4, soft=(probs, entropy, index), kl_weight=0.0
+    )
+    torch.testing.assert_close(plain[0], (ce * weights[keep]).sum())
+
+
+def test_init_layers_from_the_targets_top_layers(models):
+    target = Target(models["qwen3"])
+    draft = DFlashDraftModel.for_target(
+        target.model.config, num_layers=2, block_size=4, mask_token_id=VOCAB - 1
+    )
+    copied = init_layers_from_target(draft, target)
+    top = target.layers[-2:]
+    for layer, src in zip(draft.layers, top, strict=True):
+        torch.testing.assert_close(layer.self_attn.q_proj.weight, src.self_attn.q_proj.weight)
+        torch.testing.assert_close(layer.mlp.down_proj.weight, src.mlp.down_proj.weight)
+        torch.testing.assert_close(layer.self_attn.k_norm.weight, src.self_attn.k_norm.weight)  # qwen3 has it
+    assert copied == 2 * len(dict(draft.layers[0].named_parameters()))
 
 
 def test_training_attention_mask_hand_worked():

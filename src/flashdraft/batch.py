@@ -112,6 +112,9 @@ class BatchProposer:
     def stats(self, index: int) -> dict[str, Any]:
         return {}
 
+    def timed(self, rows: int, tokens_per_row: int, context: int, seconds: float) -> None:
+        """How long the target took to verify `rows` x `tokens_per_row` tokens after about `context` cached ones."""
+
 
 class PerRowProposers(BatchProposer):
     """One single-sequence `Proposer` per row (the per-sequence policy: each row chooses its own verify length
@@ -197,6 +200,10 @@ class BatchedDFlashProposer(BatchProposer):
         self.draft_rate: float | None = None  # the batch's expected tokens/s when drafting (EMA)
         self.skip_steps = 0
         self.skip_left = 0
+        # Online corrections of the cost model (measured / predicted, EMA): a batched forward with ragged masks and
+        # a padded draft context cost what the single-row measurements cannot say.
+        self.verify_ratio: dict[tuple[int, int], float] = {}  # by (rows, tokens per row)
+        self.draft_ratio = 1.0
 
     # -------------------------------------------------------------- rows
     def add(self, row: BatchRow, features: torch.Tensor | None) -> None:
@@ -320,7 +327,9 @@ class BatchedDFlashProposer(BatchProposer):
             e = expected_tokens(p[:max_n])
             expected += torch.cat([e, e[-1:].expand(max_n + 1 - len(e))])
         tokens_per_row = torch.arange(1, max_n + 2)
-        step_s = propose_s + self.costs.verify_s(b * tokens_per_row, context)
+        step_s = propose_s + self.costs.verify_s(b * tokens_per_row, context) * torch.tensor(
+            [self._verify_ratio(b, int(n)) for n in tokens_per_row]
+        )
         rates = expected / step_s
         n = int(torch.argmax(rates))
         return n, float(rates[n])
@@ -337,7 +346,7 @@ class BatchedDFlashProposer(BatchProposer):
 
         context = sum(row.anchor_position for row in rows) // b
         top = max(max_drafts)
-        plain_rate = b / float(self.costs.verify_s(b, context))
+        plain_rate = b / (float(self.costs.verify_s(b, context)) * self._verify_ratio(b, 1))
         lookups = [self._lookup(row, m) for row, m in zip(rows, max_drafts, strict=True)]
         lookup_probs = [self.calibration.lookup.p(keys) for _, keys in lookups]
         lookup_n, lookup_rate = (
@@ -359,7 +368,10 @@ class BatchedDFlashProposer(BatchProposer):
                 out.append(torch.tensor(proposal[:k], dtype=torch.long))
             return out
 
+        t0 = time.perf_counter()
         tokens, confidence = self.draft_rows(rows)
+        predicted = self.costs.draft_batch_s(b, context)
+        self.draft_ratio = _ema(self.draft_ratio, (time.perf_counter() - t0) / max(predicted, 1e-9))
         keys = confidence_keys(confidence, self.calibration.confidence_bins)
         choices = []  # per row: (source, tokens, keys, acceptance probabilities)
         for i, m in enumerate(max_drafts):
@@ -369,7 +381,7 @@ class BatchedDFlashProposer(BatchProposer):
             if len(proposal) and expected_tokens(lookup_probs[i])[-1] > expected_tokens(p_draft)[-1]:
                 candidate = ("lookup", torch.tensor(proposal, dtype=torch.long), lkeys, lookup_probs[i])
             choices.append(candidate)
-        draft_s = self.costs.draft_batch_s(b, context)
+        draft_s = self.costs.draft_batch_s(b, context) * self.draft_ratio
         n, rate = self._batch_rate([c[3] for c in choices], draft_s, context, top)
         self.draft_rate = rate if self.draft_rate is None else 0.5 * self.draft_rate + 0.5 * rate
         if self.draft_rate > max(plain_rate, lookup_rate):
@@ -384,6 +396,22 @@ class BatchedDFlashProposer(BatchProposer):
             out.append(toks[:n])
         return out
 
+    def _verify_ratio(self, rows: int, tokens_per_row: int) -> float:
+        """Measured / predicted step time for this shape (the nearest shape measured so far: same row count
+        first)."""
+        if not self.verify_ratio:
+            return 1.0
+        key = min(self.verify_ratio, key=lambda k: (abs(k[0] - rows), abs(k[1] - tokens_per_row)))
+        return self.verify_ratio[key]
+
+    def timed(self, rows: int, tokens_per_row: int, context: int, seconds: float) -> None:
+        if self.costs is None:
+            return
+        predicted = float(self.costs.verify_s(rows * tokens_per_row, context))
+        old = self.verify_ratio.get((rows, tokens_per_row))
+        ratio = seconds / max(predicted, 1e-9)
+        self.verify_ratio[rows, tokens_per_row] = ratio if old is None else _ema(old, ratio)
+
     def observe(self, rows: list[BatchRow], proposed: list[int], accepted: list[int]) -> None:
         for i, (n, a) in enumerate(zip(proposed, accepted, strict=True)):
             last = self._last[i]
@@ -393,6 +421,10 @@ class BatchedDFlashProposer(BatchProposer):
             table = self.calibration.draft if source == "dflash" else self.calibration.lookup
             table.update(keys, n, a)
             self._last[i] = None
+
+
+def _ema(old: float, new: float, keep: float = 0.8) -> float:
+    return keep * old + (1.0 - keep) * new
 
 
 # ---------------------------------------------------------------------------------------------------------- decoder
@@ -573,6 +605,9 @@ class BatchDecoder:
         starts = torch.tensor([r.anchor_position for r in rows], device=device)
         positions = starts[:, None] + torch.arange(n, device=device)
         mask = torch.cat([self.valid, torch.ones(len(rows), n, dtype=torch.bool, device=device)], 1)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
         out = self.target.forward(
             block, self.cache, self.proposer.tap_layer_ids, attention_mask=mask.long(), position_ids=positions
         )
@@ -608,6 +643,8 @@ class BatchDecoder:
                 res.proposer_stats = self.proposer.stats(i)
                 row.finish(reason)
                 finished.append(row)
+        # Verify forward + acceptance bookkeeping: what a step costs besides proposing.
+        self.proposer.timed(len(rows), n, int(starts.float().mean()), time.perf_counter() - t0)
         self.proposer.observe(rows, [p.shape[0] for p in proposals], own_accepted)
         self.proposer.accept(rows, features)
 

@@ -124,16 +124,32 @@ def draft_hidden_for_blocks(
 
 
 class _FrozenHeadCrossEntropy(torch.autograd.Function):
-    """sum_i w_i * CE(softcap(h_i W^T + b), y_i) for a frozen LM head, row chunk by row chunk.
+    """sum_i w_i * [CE(q_i, y_i) + kl * KL(p_i || q_i)] for a frozen LM head, row chunk by row chunk, where
+    q_i = softmax(softcap(h_i W^T + b)) is the draft's distribution and p_i (optional) the target's own.
 
-    The head is frozen, so the only gradient is d/dh = w * (softmax - onehot) * softcap' @ W. Computing it in the
-    forward, while each [chunk, V] logit block is still in cache-sized memory, replaces log_softmax, its backward and
-    the zero-filled logit gradient (the elementwise passes over V that dominated a CPU step) with in-place ops, and
-    never keeps more than one logit chunk alive (the memory bound the chunked LM head exists for).
+    The head is frozen, so the only gradient is d/dh = w * ((1 + kl) q - onehot - kl p) * softcap' @ W. Computing it
+    in the forward, while each [chunk, V] logit block is still in cache-sized memory, replaces log_softmax, its
+    backward and the zero-filled logit gradient (the elementwise passes over V that dominated a CPU step) with
+    in-place ops, and never keeps more than one logit chunk alive (the memory bound the chunked LM head exists for).
+    The target's distribution comes per sequence position (`soft_probs` [S, V], `soft_entropy` [S]) and is read
+    per row at `soft_index` (the position before the row's label), so it costs one head pass over the sequence.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, weights, chunk_size, softcap):  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx,
+        hidden,
+        weight,
+        bias,
+        labels,
+        weights,
+        chunk_size,
+        softcap,
+        soft_probs,
+        soft_entropy,
+        soft_index,
+        kl,
+    ):
         n = hidden.shape[0]
         need_grad = ctx.needs_input_grad[0]
         grad_hidden = torch.empty(
@@ -141,6 +157,7 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
         )
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.empty(n, dtype=torch.bool, device=hidden.device)
+        use_kl = soft_probs is not None and kl > 0
         for s in range(0, n, chunk_size):
             e = min(n, s + chunk_size)
             y, w = labels[s:e], weights[s:e].float()
@@ -152,12 +169,21 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
             row_max, argmax = logits.max(dim=-1)
             correct[s:e] = argmax == y
             label_logit = logits.gather(1, y[:, None])[:, 0]
+            if use_kl:
+                p = soft_probs[soft_index[s:e]].float()  # [chunk, V] the target's distribution for these rows
+                p_dot_z = (p * logits).sum(-1)
             probs = logits.sub_(row_max[:, None]).exp_()  # in place: logits are not needed any more
             denom = probs.sum(-1)
-            total += ((denom.log() + row_max - label_logit) * w).sum()
+            log_z = denom.log() + row_max
+            row_loss = log_z - label_logit
+            if use_kl:  # KL(p || q) = sum p log p - sum p log q = -H(p) + log Z - sum p z
+                row_loss = row_loss + kl * (log_z - p_dot_z - soft_entropy[soft_index[s:e]])
+            total += (row_loss * w).sum()
             if not need_grad:
                 continue
             grad = probs.div_(denom[:, None])
+            if use_kl:
+                grad.mul_(1.0 + kl).sub_(p, alpha=kl)
             grad[torch.arange(e - s, device=grad.device), y] -= 1.0
             grad.mul_(w[:, None])
             if softcap:
@@ -171,23 +197,53 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, _grad_correct):  # type: ignore[override]
         (grad_hidden,) = ctx.saved_tensors
-        return (grad_hidden * grad_total).to(ctx.hidden_dtype), None, None, None, None, None, None
+        return (grad_hidden * grad_total).to(ctx.hidden_dtype), *([None] * 10)
+
+
+@torch.no_grad()
+def target_distribution(target: Target, last_hidden: torch.Tensor, chunk_size: int = 1024):
+    """(probabilities [S, V], entropies [S]) of the target's next-token distribution at every position, from its
+    final (normed) hidden states: what the KL term distils."""
+    probs = torch.empty(
+        last_hidden.shape[0], target.vocab_size, dtype=torch.float32, device=last_hidden.device
+    )
+    entropy = torch.empty(last_hidden.shape[0], dtype=torch.float32, device=last_hidden.device)
+    for s in range(0, last_hidden.shape[0], chunk_size):
+        logp = target.lm_head_logits(last_hidden[s : s + chunk_size]).log_softmax(-1)
+        p = logp.exp()
+        probs[s : s + chunk_size] = p
+        entropy[s : s + chunk_size] = -(p * logp).sum(-1)
+    return probs, entropy
 
 
 def weighted_block_loss(
-    target: Target, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, chunk_size: int = 1024
+    target: Target,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    chunk_size: int = 1024,
+    soft: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    kl_weight: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """sum_i w_i * CE(lm_head(hidden_i), label_i) over rows with w_i > 0, and per-row correctness (argmax == label).
 
+    `soft` = (target probabilities [S, V], their entropies [S], row -> position index [rows]) adds
+    `kl_weight` * KL(target || draft) per row (distillation from the target's own distribution).
     The LM head is applied in chunks of `chunk_size` rows so that [rows, V] logits never exist all at once.
     """
     keep = weights > 0
     hidden, labels, weights = hidden[keep], labels[keep].to(hidden.device), weights[keep].to(hidden.device)
     head = target.lm_head
+    soft_probs = soft_entropy = soft_index = None
+    if soft is not None and kl_weight > 0:
+        soft_probs, soft_entropy, soft_index = soft[0], soft[1], soft[2][keep].to(hidden.device)
     if isinstance(head, torch.nn.Linear):
         return _FrozenHeadCrossEntropy.apply(
-            hidden, head.weight, head.bias, labels, weights, chunk_size, target._softcap
-        )
+            hidden, head.weight, head.bias, labels, weights, chunk_size, target._softcap,
+            soft_probs, soft_entropy, soft_index, float(kl_weight),
+        )  # fmt: skip
+    if soft_probs is not None:
+        raise ValueError("the KL term needs a plain linear LM head")
     # An unusual head module: let autograd differentiate it, checkpointing chunks on GPUs to bound memory.
 
     def chunk_loss(h: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,6 +291,10 @@ class TrainConfig:
     target_layer_ids: list[int] | None = None
     mask_token_id: int | None = None
     init_from: str | None = None  # start from an existing drafter checkpoint
+    init_layers: str = (
+        "random"  # new drafter's layers: "random" or "target-top" (copies of the target's top layers)
+    )
+    kl_weight: float = 0.0  # > 0: add kl_weight * KL(target || draft) per block slot (online features only)
     bf16: bool | None = None  # None: bf16 autocast on CUDA, fp32 on CPU
     progress: bool = True
     extra_meta: dict[str, Any] = field(default_factory=dict)
@@ -281,6 +341,12 @@ class Trainer:
                     vocab_size=target.vocab_size,
                     seed=config.seed,
                 )
+                if config.init_layers == "target-top":
+                    init_layers_from_target(draft, target)
+                elif config.init_layers != "random":
+                    raise ValueError(
+                        f"init_layers must be 'random' or 'target-top', got {config.init_layers!r}"
+                    )
         target.check_drafter(draft.config)
         if config.block_size > draft.config.block_size:
             raise ValueError(
@@ -342,11 +408,22 @@ class Trainer:
         bs = self.cfg.batch_size
         return [mine[i : i + bs] for i in range(0, len(mine), bs)], epoch
 
-    def _features(self, item: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _features(self, item: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the drafter's context features [S, T*H], the target's final hidden states [S, H] when the KL term
+        needs them: one more tap of the same forward)."""
         ids = item["input_ids"][: self.cfg.max_length].to(self.device)
+        taps = list(self.draft.config.target_layer_ids)
         if "features" in item:
-            return item["features"][: self.cfg.max_length].to(self.device, torch.float32)
-        return self.target.features(ids[None], self.draft.config.target_layer_ids)[0].float()
+            if self.cfg.kl_weight > 0:
+                raise ValueError(
+                    "the KL term needs the target's own distribution: train with online features"
+                )
+            return item["features"][: self.cfg.max_length].to(self.device, torch.float32), None
+        if self.cfg.kl_weight <= 0:
+            return self.target.features(ids[None], taps)[0].float(), None
+        both = self.target.features(ids[None], [*taps, self.target.num_layers - 1])[0].float()
+        h = self.target.hidden_size
+        return both[:, : len(taps) * h], both[:, len(taps) * h :]
 
     def _blocks(self, index: int, epoch: int) -> tuple[dict[str, torch.Tensor], Blocks, int]:
         item = self.dataset[index]
@@ -383,12 +460,17 @@ class Trainer:
                 for item, blocks, n in mb:
                     if n == 0:
                         continue
-                    features = self._features(item)
+                    features, last_hidden = self._features(item)
                     with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16):
                         hidden = draft_hidden_for_blocks(self.model, self.target, features, blocks, n)
+                    soft = None
+                    if last_hidden is not None:  # the target's distribution for each row's label position
+                        probs, entropy = target_distribution(self.target, last_hidden, self.cfg.lm_head_chunk)
+                        soft = (probs, entropy, (blocks.positions - 1).clamp(0, last_hidden.shape[0] - 1))
                     part, correct = weighted_block_loss(
-                        self.target, hidden, blocks.labels, blocks.weights, self.cfg.lm_head_chunk
-                    )
+                        self.target, hidden, blocks.labels, blocks.weights, self.cfg.lm_head_chunk,
+                        soft=soft, kl_weight=self.cfg.kl_weight,
+                    )  # fmt: skip
                     loss = loss + part
                     slots = (torch.arange(blocks.weights.numel()) % self.block_size)[blocks.weights > 0]
                     slot_correct += torch.bincount(
@@ -501,6 +583,25 @@ class Trainer:
                 if self.step % self.cfg.save_every == 0 or self.step == end:
                     self.save_checkpoint()
         return history
+
+
+@torch.no_grad()
+def init_layers_from_target(draft: DFlashDraftModel, target: Target) -> int:
+    """Start the drafter's layers as copies of the target's top layers (same-named tensors of equal shape:
+    attention and MLP projections, layer norms; q_norm/k_norm stay at one where the target has none). Returns the
+    number of tensors copied."""
+    copied = 0
+    n = len(draft.layers)
+    for i, layer in enumerate(draft.layers):
+        source = dict(target.layers[target.num_layers - n + i].named_parameters())
+        for name, param in layer.named_parameters():
+            src = source.get(name)
+            if src is not None and src.shape == param.shape:
+                param.copy_(src.to(param.dtype))
+                copied += 1
+    if copied == 0:
+        raise ValueError("no drafter layer tensor matches the target's layers in name and shape")
+    return copied
 
 
 def _has_anchor(loss_mask: torch.Tensor) -> bool:
@@ -674,6 +775,8 @@ def train_command(
     target_layer_ids: str | None = None,
     mask_token_id: int | None = None,
     init_from: Path | None = None,
+    init_layers: str = "random",
+    kl_weight: float = 0.0,
     resume: bool = False,
     eval_datasets: str = "gsm8k,humaneval,mt-bench",
     eval_samples: int = 20,
@@ -723,6 +826,8 @@ def train_command(
         target_layer_ids=layer_ids,
         mask_token_id=mask_token_id,
         init_from=str(init_from) if init_from else None,
+        init_layers=init_layers,
+        kl_weight=kl_weight,
         lm_head_chunk=lm_head_chunk,
         bf16=bf16,
     )

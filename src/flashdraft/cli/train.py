@@ -99,6 +99,16 @@ def train(
     target_layer_ids: Annotated[str | None, typer.Option(help="comma-separated target layers to tap")] = None,
     mask_token_id: Annotated[int | None, typer.Option(help="default: chosen from the tokenizer")] = None,
     init_from: Annotated[Path | None, typer.Option(help="start from this drafter")] = None,
+    init_layers: Annotated[
+        str,
+        typer.Option(help="a new drafter's layers: random | target-top (copies of the target's top layers)"),
+    ] = "random",
+    kl_weight: Annotated[
+        float,
+        typer.Option(
+            help="add this weight x KL(target || draft) per slot: distils the target's distribution"
+        ),
+    ] = 0.0,
     resume: Annotated[bool, typer.Option(help="continue from OUT/checkpoints/last.pt")] = False,
     eval_datasets: Annotated[str, typer.Option(help="held-out τ evaluation at the end ('' to skip)")] = (
         "gsm8k,humaneval,mt-bench"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160)
 
@@ -14,6 +14,7 @@ class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, cpu seconds, open fds (Linux)
         self.model_name = model_name
         self.requests = Counter(
             "flashdraft:requests", "Finished requests", ["model_name", "endpoint", "status"], registry=r
