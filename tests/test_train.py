@@ -14,9 +14,9 @@ from flashdraft import DFlashDraftModel, DFlashProposer, Target, generate, gener
 from flashdraft.train import (
     default_gamma,
     draft_hidden_for_blocks,
+    init_layers_from_target,
     make_blocks,
     sample_anchors,
-    init_layers_from_target,
     slot_weights,
     target_distribution,
     weighted_block_loss,
