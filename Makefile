@@ -27,7 +27,8 @@ test: venv
 test-slow: venv
 	$(BIN)/python -m pytest -q -m slow
 
-# The core suite against the oldest supported transformers (4.57: other DynamicCache.crop / sliding-cache rules).
+# The core suite against the oldest supported transformers (4.57: other DynamicCache.crop / sliding-cache rules),
+# batched decoding included (it edits the cache layers directly).
 COMPAT_VENV ?= .venv-compat
 test-compat:
 	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
@@ -35,7 +36,7 @@ test-compat:
 	$(COMPAT_VENV)/bin/python -m pip install --progress-bar off "$(TORCH_SPEC)" "transformers==4.57.1"
 	$(COMPAT_VENV)/bin/python -m pip install --progress-bar off -e ".[test]"
 	$(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_model.py tests/test_generate.py \
-		tests/test_train.py -k "not ddp and not short_cpu"
+		tests/test_train.py tests/test_batch.py -k "not ddp and not short_cpu"
 
 test-all: venv
 	$(BIN)/python -m pytest -q
