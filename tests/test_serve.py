@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -307,3 +308,9 @@ def test_plain_server_without_drafter(models):
     finally:
         engine.close()
     assert torch.is_grad_enabled()  # the engine's worker thread does not change the caller's grad mode
+    from flashdraft.serve.engine import EngineRequest, QueueFullError
+
+    with pytest.raises(
+        QueueFullError, match="shutting down"
+    ):  # after close(): refused (HTTP 503), not queued
+        engine.submit(EngineRequest(prompt_ids=[5, 6], max_tokens=2), asyncio.new_event_loop())
