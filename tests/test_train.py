@@ -469,9 +469,18 @@ def test_cli_regenerate_train_evaluate_export(tmp_path):
     assert r.exit_code == 0, r.output
     args = ["train", "--target", str(model_dir), "--data", str(data_dir), "--out", str(out), "--num-layers", "1",
             "--block-size", "4", "--num-anchors", "4", "--epochs", "1", "--batch-size", "2", "--save-every", "2",
-            "--eval-datasets", str(held_out), "--eval-samples", "2", "--eval-max-new-tokens", "8"]  # fmt: skip
+            "--eval-datasets", str(held_out), "--eval-samples", "2", "--eval-max-new-tokens", "8",
+            "--eval-every", "2"]  # fmt: skip
     r = runner.invoke(app, args)
     assert r.exit_code == 0, r.output
+    # The learning curve: τ every 2 steps against what training has seen so far.
+    curve = [_json.loads(line) for line in (out / "eval_log.jsonl").read_text().splitlines()]
+    steps = len((out / "train_log.jsonl").read_text().splitlines())
+    assert steps >= 3 and [e["step"] for e in curve] == sorted({*range(2, steps + 1, 2), steps})
+    assert [e["sequences"] for e in curve] == [2 * e["step"] for e in curve]  # 2 sequences per step
+    assert all(a["blocks"] < b["blocks"] and a["supervised_tokens"] < b["supervised_tokens"]
+               for a, b in zip(curve, curve[1:], strict=False))  # fmt: skip
+    assert all(set(e["tau"]) == {"held_out"} for e in curve)
     config = DFlashConfig.from_pretrained(out)  # z-lab format, loads back
     assert config.block_size == 4 and config.flashdraft["trained"] is True
     held = config.flashdraft["eval"]["held_out"]
@@ -482,6 +491,9 @@ def test_cli_regenerate_train_evaluate_export(tmp_path):
     # a resumed run that is already complete does no more steps and exports again
     r = runner.invoke(app, [*args, "--resume", "--eval-datasets", ""])
     assert r.exit_code == 0 and "resumed" in r.output, r.output
+    assert len((out / "eval_log.jsonl").read_text().splitlines()) == len(
+        curve
+    )  # nothing re-run, nothing lost
 
 
 @pytest.mark.slow  # four CLI processes (~15 s): runs in `make test-slow`

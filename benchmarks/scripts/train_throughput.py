@@ -55,10 +55,22 @@ def main() -> None:
         ("fp32 target, fp32 drafter, 64 anchors", "float32", dict(bf16=False, num_anchors=64, grad_accum=4)),
         ("bf16 target, bf16 autocast, 64 anchors", "bfloat16", dict(bf16=True, num_anchors=64, grad_accum=4)),
         ("bf16, 256 anchors (1 sequence/step)", "bfloat16", dict(bf16=True, num_anchors=256, grad_accum=1)),
-        ("bf16, 512 anchors (paper; 1 sequence/step)", "bfloat16", dict(bf16=True, num_anchors=512, grad_accum=1)),
+        (
+            "bf16, 512 anchors (paper; 1 sequence/step)",
+            "bfloat16",
+            dict(bf16=True, num_anchors=512, grad_accum=1),
+        ),
         ("bf16, 64 anchors, batch 4 x 1", "bfloat16", dict(bf16=True, num_anchors=64, batch_size=4)),
-        ("bf16, 64 anchors, + KL term", "bfloat16", dict(bf16=True, num_anchors=64, grad_accum=4, kl_weight=1.0)),
-        ("bf16, 64 anchors, 5 layers", "bfloat16", dict(bf16=True, num_anchors=64, grad_accum=4, num_layers=5)),
+        (
+            "bf16, 64 anchors, + KL term",
+            "bfloat16",
+            dict(bf16=True, num_anchors=64, grad_accum=4, kl_weight=1.0),
+        ),
+        (
+            "bf16, 64 anchors, 5 layers",
+            "bfloat16",
+            dict(bf16=True, num_anchors=64, grad_accum=4, num_layers=5),
+        ),
     ]
     targets = {}
     for name, dtype, kw in settings:

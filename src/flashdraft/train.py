@@ -295,6 +295,11 @@ class TrainConfig:
         "random"  # new drafter's layers: "random" or "target-top" (copies of the target's top layers)
     )
     kl_weight: float = 0.0  # > 0: add kl_weight * KL(target || draft) per block slot (online features only)
+    # The learning curve: every `eval_every` steps, τ on held-out prompts (fixed B) into OUT/eval_log.jsonl.
+    eval_every: int = 0
+    eval_datasets: tuple[str, ...] = ("gsm8k", "humaneval", "mt-bench")
+    eval_samples: int = 8
+    eval_max_new_tokens: int = 64
     bf16: bool | None = None  # None: bf16 autocast on CUDA, fp32 on CPU
     progress: bool = True
     extra_meta: dict[str, Any] = field(default_factory=dict)
@@ -392,7 +397,10 @@ class Trainer:
         self.out_dir = Path(config.out_dir)
         self.ckpt_path = self.out_dir / "checkpoints" / "last.pt"
         self.log_path = self.out_dir / "train_log.jsonl"
+        self.eval_path = self.out_dir / "eval_log.jsonl"
         self.wall_s = 0.0
+        # What training has seen so far (checkpointed): the learning curve's x axis.
+        self.seen = {"sequences": 0, "blocks": 0, "supervised_tokens": 0}
 
     # ------------------------------------------------------------------ data order
     def _epoch_order(self, epoch: int) -> list[int]:
@@ -487,12 +495,16 @@ class Trainer:
         self.step += 1
         dt = time.perf_counter() - t0
         self.wall_s += dt
-        stats = torch.tensor([loss_sum, float(slot_count.sum()), n_blocks], dtype=torch.float64)
+        n_sequences = sum(len(mb) for mb in prepared)
+        stats = torch.tensor([loss_sum, float(slot_count.sum()), n_blocks, n_sequences], dtype=torch.float64)
         if self.world > 1:
             dist.all_reduce(stats)
             dist.all_reduce(slot_correct)
             dist.all_reduce(slot_count)
         acc = (slot_correct / slot_count.clamp(min=1)).tolist()
+        self.seen["sequences"] += int(stats[3])
+        self.seen["blocks"] += int(stats[2])
+        self.seen["supervised_tokens"] += int(stats[1])
         return {
             "step": self.step,
             "epoch": epoch,
@@ -515,6 +527,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
             "wall_s": self.wall_s,
+            "seen": dict(self.seen),
             "train_config": asdict(self.cfg),
             "rng": torch.get_rng_state(),
         }
@@ -535,21 +548,41 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
         self.wall_s = state.get("wall_s", 0.0)
+        self.seen = dict(state.get("seen", self.seen))
         torch.set_rng_state(state["rng"])
         return True
 
     def _truncate_log(self, step: int) -> None:
         """Drop log lines a killed run wrote past its last checkpoint: the resumed run logs those steps again."""
-        if not self.log_path.exists():
-            return
-        kept = []
-        for line in self.log_path.read_text().splitlines():
-            try:
-                if json.loads(line).get("step", 0) <= step:
-                    kept.append(line)
-            except json.JSONDecodeError:
-                continue  # a line cut short by the kill
-        atomic_write_text(self.log_path, "".join(f"{line}\n" for line in kept))
+        for path in (self.log_path, self.eval_path):
+            if not path.exists():
+                continue
+            kept = []
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line).get("step", 0) <= step:
+                        kept.append(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut short by the kill
+            atomic_write_text(path, "".join(f"{line}\n" for line in kept))
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, Any]:
+        """τ of the drafter as it is now (fixed verify length B, held-out prompts), one line of the learning
+        curve in OUT/eval_log.jsonl."""
+        self.draft.eval()
+        try:
+            tau = evaluate_tau(
+                self.target, self.draft, list(self.cfg.eval_datasets), self.cfg.eval_samples,
+                self.cfg.eval_max_new_tokens, block_size=self.block_size, progress=False,
+            )  # fmt: skip
+        finally:
+            self.draft.train()
+        entry = {"step": self.step, **self.seen, "train_wall_s": round(self.wall_s, 1),
+                 "tau": {k: round(v["tau"], 4) for k, v in tau.items()}}  # fmt: skip
+        with self.eval_path.open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+        return entry
 
     # ------------------------------------------------------------------ the loop
     def fit(self, resume: bool = False, stop_after: int | None = None) -> list[dict[str, Any]]:
@@ -580,6 +613,15 @@ class Trainer:
                         print(
                             json.dumps({k: stats[k] for k in ("step", "loss", "acc", "lr", "tokens_per_s")})
                         )
+                if (
+                    self.cfg.eval_every
+                    and self.rank == 0
+                    and (self.step % self.cfg.eval_every == 0 or self.step == self.total_steps)
+                ):
+                    entry = self.evaluate()
+                    print(
+                        f"step {self.step}: τ " + ", ".join(f"{k} {v:.2f}" for k, v in entry["tau"].items())
+                    )
                 if self.step % self.cfg.save_every == 0 or self.step == end:
                     self.save_checkpoint()
         return history
@@ -781,6 +823,7 @@ def train_command(
     eval_datasets: str = "gsm8k,humaneval,mt-bench",
     eval_samples: int = 20,
     eval_max_new_tokens: int = 128,
+    eval_every: int = 0,
     export_dtype: str = "bfloat16",
     device: str | None = None,
     lm_head_chunk: int = 1024,
@@ -828,6 +871,10 @@ def train_command(
         init_from=str(init_from) if init_from else None,
         init_layers=init_layers,
         kl_weight=kl_weight,
+        eval_every=eval_every,
+        eval_datasets=tuple(n for n in eval_datasets.split(",") if n) or ("gsm8k",),
+        eval_samples=min(eval_samples, 8),
+        eval_max_new_tokens=min(eval_max_new_tokens, 64),
         lm_head_chunk=lm_head_chunk,
         bf16=bf16,
     )

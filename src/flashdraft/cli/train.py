@@ -115,6 +115,13 @@ def train(
     ),
     eval_samples: Annotated[int, typer.Option(help="prompts per evaluation dataset")] = 20,
     eval_max_new_tokens: Annotated[int, typer.Option()] = 128,
+    eval_every: Annotated[
+        int,
+        typer.Option(
+            help="every N steps, τ on the eval datasets (at most 8 prompts, 64 tokens each) into OUT/eval_log.jsonl: "
+            "the learning curve (0 = only at the end)"
+        ),
+    ] = 0,
     export_dtype: Annotated[str, typer.Option(help="bfloat16 (z-lab) | float32")] = "bfloat16",
     device: Annotated[str | None, typer.Option(help="cpu | cuda (torchrun picks per rank)")] = None,
     target_dtype: Annotated[
