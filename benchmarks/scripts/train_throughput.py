@@ -33,7 +33,7 @@ def measure(target, data, steps: int, **overrides) -> dict[str, float]:
     )
     trainer = Trainer(target, data, cfg)
     trainer.train_step()  # warm-up
-    blocks, tokens, t0 = 0, 0.0, time.perf_counter()
+    blocks, t0 = 0, time.perf_counter()
     for _ in range(steps):
         stats = trainer.train_step()
         blocks += stats["blocks"]
