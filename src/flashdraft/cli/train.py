@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
+import torch
+import torch.distributed as dist
 import typer
 
 from ..errors import one_line_errors
+from ..export import data_summary, evaluate_tau, export_drafter, machine_description, write_model_card
+from ..model import DFlashDraftModel
+from ..train import TrainConfig, Trainer
 from .common import out
 
 
@@ -140,6 +146,163 @@ def train(
     ] = None,
 ) -> None:
     """Train a DFlash drafter (paper recipe); `torchrun --nproc-per-node N -m flashdraft train ...` for DDP."""
-    from ..train import train_command
+    train_command(**locals())
 
-    train_command(**{k: v for k, v in locals().items() if k != "train_command"})
+
+def _init_distributed() -> tuple[int, int, str | None]:
+    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; gloo on CPU, nccl on GPUs."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1, None
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl")
+        return dist.get_rank(), world, f"cuda:{local_rank}"
+    dist.init_process_group("gloo")
+    return dist.get_rank(), world, "cpu"
+
+
+def train_command(
+    target: str,
+    data: list[Path],
+    out: Path,
+    num_layers: int = 5,
+    block_size: int = 16,
+    num_anchors: int = 512,
+    gamma: float | None = None,
+    lr: float = 6e-4,
+    warmup_ratio: float = 0.04,
+    epochs: int = 6,
+    max_steps: int | None = None,
+    batch_size: int = 1,
+    grad_accum: int = 1,
+    max_length: int = 3072,
+    seed: int = 0,
+    save_every: int = 200,
+    intermediate_size: int | None = None,
+    target_layer_ids: str | None = None,
+    mask_token_id: int | None = None,
+    init_from: Path | None = None,
+    init_layers: str = "random",
+    kl_weight: float = 0.0,
+    resume: bool = False,
+    eval_datasets: str = "gsm8k,humaneval,mt-bench",
+    eval_samples: int = 20,
+    eval_max_new_tokens: int = 128,
+    eval_every: int = 0,
+    export_dtype: str = "bfloat16",
+    device: str | None = None,
+    lm_head_chunk: int = 1024,
+    target_dtype: str | None = None,
+    bf16: bool | None = None,
+) -> None:
+    """Train a DFlash drafter on regenerated data (`flashdraft data regenerate`), then evaluate τ and export."""
+    from torch.utils.data import ConcatDataset
+
+    from ..data import TrainingData
+    from ..model import _DTYPES
+    from ..target import choose_mask_token_id, load_target
+
+    rank, world, dist_device = _init_distributed()
+    if target_dtype is not None and target_dtype not in _DTYPES:
+        raise ValueError(f"--target-dtype must be one of {', '.join(_DTYPES)}, not {target_dtype!r}")
+    tgt = load_target(target, dtype=target_dtype, device=dist_device or device)
+    parts = [TrainingData(d) for d in data]
+    dataset = ConcatDataset(parts) if len(parts) > 1 else parts[0]
+    manifests = [p.manifest for p in parts]
+    for d, m in zip(data, manifests, strict=True):
+        if m.get("target") not in (None, target) and rank == 0:
+            print(f"warning: {d} was regenerated with {m['target']}, training a drafter for {target}")
+    if mask_token_id is None and init_from is None:
+        mask_token_id = choose_mask_token_id(tgt.tokenizer, tgt.vocab_size)
+    layer_ids = [int(x) for x in target_layer_ids.split(",")] if target_layer_ids else None
+    cfg = TrainConfig(
+        out_dir=str(out),
+        num_layers=num_layers,
+        block_size=block_size,
+        num_anchors=num_anchors,
+        gamma=gamma,
+        lr=lr,
+        warmup_ratio=warmup_ratio,
+        epochs=epochs,
+        max_steps=max_steps,
+        batch_size=batch_size,
+        grad_accum=grad_accum,
+        max_length=max_length,
+        seed=seed,
+        save_every=save_every,
+        intermediate_size=intermediate_size,
+        target_layer_ids=layer_ids,
+        mask_token_id=mask_token_id,
+        init_from=str(init_from) if init_from else None,
+        init_layers=init_layers,
+        kl_weight=kl_weight,
+        eval_every=eval_every,
+        eval_datasets=tuple(n for n in eval_datasets.split(",") if n) or ("gsm8k",),
+        eval_samples=min(eval_samples, 8),
+        eval_max_new_tokens=min(eval_max_new_tokens, 64),
+        lm_head_chunk=lm_head_chunk,
+        bf16=bf16,
+    )
+    trainer = Trainer(tgt, dataset, cfg)
+    if rank == 0:
+        c = trainer.draft.config
+        print(
+            f"training a {c.num_hidden_layers}-layer drafter ({trainer.draft.num_parameters() / 1e6:.1f}M params, "
+            f"taps {c.target_layer_ids}, mask {c.mask_token_id}) on {len(trainer.indices)} sequences, "
+            f"{trainer.total_steps} steps of {trainer.global_batch} sequences, {world} process(es)"
+        )
+    trainer.fit(resume=resume)
+    if world > 1:
+        dist.barrier()
+    if rank != 0:
+        dist.destroy_process_group()
+        return
+    chat = manifests[0].get("chat_template")
+    meta = {
+        "target": target,
+        "trained": True,
+        "chat_template": chat,
+        "steps": trainer.step,
+        "global_batch": trainer.global_batch,
+        "num_anchors": num_anchors,
+        "block_size_trained": block_size,
+        "gamma": trainer.gamma,
+        "data": [str(d) for d in data],
+        "data_summary": "; ".join(data_summary(m) for m in manifests),
+        "hardware": machine_description(tgt.device) + (f" x{world}" if world > 1 else ""),
+        "precision": f"target {str(tgt.dtype).removeprefix('torch.')}, drafter "
+        + ("bf16 autocast" if trainer.use_bf16 else "fp32"),
+        "wall_time_s": trainer.wall_s,
+    }
+    if init_from is not None:
+        from ..model import read_model_card_meta
+
+        prev = read_model_card_meta(init_from)
+        meta["init_from"] = {
+            "path": str(init_from),
+            **{
+                k: prev.get(k)
+                for k in ("steps", "global_batch", "data_summary", "wall_time_s", "hardware", "init_from")
+            },
+        }
+    export_drafter(trainer.draft, out, meta, _DTYPES[export_dtype])
+    exported = DFlashDraftModel.from_pretrained(
+        out, dtype=tgt.dtype, device=tgt.device
+    )  # evaluate what ships
+    names = [n for n in eval_datasets.split(",") if n]
+    if names and eval_samples > 0:
+        thinking = (chat or {}).get("thinking") if isinstance(chat, dict) else None
+        system = (chat or {}).get("system") if isinstance(chat, dict) else None
+        meta["eval"] = evaluate_tau(
+            tgt, exported, names, eval_samples, eval_max_new_tokens, enable_thinking=thinking, system=system
+        )
+        meta["eval_max_new_tokens"] = eval_max_new_tokens
+        export_drafter(exported, out, meta, _DTYPES[export_dtype])
+        for name, r in meta["eval"].items():
+            print(f"τ {name}: {r['tau']:.2f} over {r['prompts']} prompts")
+    write_model_card(out, exported, {**meta, "global_batch": trainer.global_batch})
+    print(f"drafter written to {out}")
+    if world > 1:
+        dist.destroy_process_group()
