@@ -13,7 +13,8 @@ from conftest import hf_greedy, running_server, tiny_model
 from flashdraft import Target
 from flashdraft import data as data_mod
 from flashdraft.cli.data import data_app
-from flashdraft.data import DataError, TrainingData, compute_features, load_prompts, regenerate
+from flashdraft.data import DataError, load_prompts, regenerate
+from flashdraft.training_data import TrainingData, compute_features
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<unk>"]
 ROLES = ["user", "assistant", "system"]

@@ -507,7 +507,7 @@ def test_torchrun_cli_two_processes_match_one_process(tmp_path):
 
     from safetensors.torch import load_file
 
-    from flashdraft.data import TrainingData
+    from flashdraft.training_data import TrainingData
     from test_data import make_tokenizer
 
     model_dir = tmp_path / "tiny-target"

@@ -32,18 +32,15 @@ import functools
 import json
 import logging
 import math
-import os
 import random
 import time
-import warnings
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from .files import atomic_write, atomic_write_text
@@ -51,13 +48,7 @@ from .prompts import Conversation, PromptFormatError, load_conversations
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "DataError",
-    "TrainingData",
-    "compute_features",
-    "load_prompts",
-    "regenerate",
-]
+__all__ = ["DataError", "load_prompts", "regenerate"]
 
 FORMAT = "flashdraft-data"
 FEATURES_FORMAT = "flashdraft-features"
@@ -75,13 +66,13 @@ class DataError(ValueError):
     """Training data cannot be produced or read as asked."""
 
 
-def _version() -> str:
+def package_version() -> str:
     from . import __version__
 
     return __version__
 
 
-def _now() -> str:
+def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
@@ -92,11 +83,11 @@ _atomic_write = atomic_write
 _atomic_write_text = atomic_write_text
 
 
-def _write_json(path: Path, obj: Any) -> None:
+def write_json(path: Path, obj: Any) -> None:
     _atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
@@ -112,11 +103,11 @@ def _shard_header(path: Path) -> dict[str, Any]:
         raise DataError(f"{path} is not a flashdraft data shard (bad header line)") from None
 
 
-def _shards(directory: Path) -> list[Path]:
+def shard_paths(directory: Path) -> list[Path]:
     return sorted(directory.glob(SHARD_GLOB))
 
 
-def _next_index(paths: Sequence[Path]) -> int:
+def next_shard_index(paths: Sequence[Path]) -> int:
     return 1 + max((int(p.stem.rsplit("-", 1)[-1]) for p in paths), default=-1)
 
 
@@ -131,7 +122,7 @@ def _check_settings(path: Path, existing: dict[str, Any], settings: dict[str, An
         )
 
 
-def _open_manifest(
+def open_manifest(
     path: Path, fmt: str, settings: dict[str, Any], what: str, wrong_format: str
 ) -> dict[str, Any]:
     """The manifest at `path` if it was made with the same `settings` (resume), else a fresh one."""
@@ -139,11 +130,11 @@ def _open_manifest(
         return {
             "format": fmt,
             "format_version": FORMAT_VERSION,
-            "created": _now(),
+            "created": utc_now(),
             "settings": settings,
             "wall_time_s": 0.0,
         }
-    manifest = _read_json(path)
+    manifest = read_json(path)
     if manifest.get("format") != fmt:
         raise DataError(wrong_format)
     _check_settings(path.parent, manifest, settings, what)
@@ -205,7 +196,7 @@ def load_prompts(
 # ============================================================================================ progress
 
 
-class _Reporter:
+class Reporter:
     """A rich progress bar over prompts (or sequences) plus plain status lines (visible in logs too)."""
 
     def __init__(self, enabled: bool, total: int, completed: int, label: str) -> None:
@@ -218,7 +209,7 @@ class _Reporter:
             self.progress = progress_bar()
             self.task = self.progress.add_task(label, total=total, completed=completed)
 
-    def __enter__(self) -> _Reporter:
+    def __enter__(self) -> Reporter:
         if self.progress is not None:
             self.progress.start()
         return self
@@ -338,7 +329,7 @@ def _process_chunk(
     batch_size: int,
     eos: Sequence[int],
     pad_id: int,
-    reporter: _Reporter,
+    reporter: Reporter,
     counter: dict[str, int],
     rate,
     answerer=None,
@@ -448,7 +439,7 @@ def _backend_record(prior: dict[str, int], answerer: Any) -> dict[str, Any]:
     return record
 
 
-def _target_info(target: Any) -> dict[str, Any]:
+def target_info(target: Any) -> dict[str, Any]:
     return {
         "model_type": getattr(target.config, "model_type", None),
         "num_layers": target.num_layers,
@@ -567,16 +558,16 @@ def regenerate(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     manifest_path = out / MANIFEST
-    manifest = _open_manifest(
+    manifest = open_manifest(
         manifest_path, FORMAT, settings, "training data",
         f"{out} holds something else than flashdraft data ({manifest_path})",
     )  # fmt: skip
     eos = target.eos_token_ids
     manifest.update(
         {
-            "flashdraft_version": _version(),
+            "flashdraft_version": package_version(),
             "target": str(target.name),
-            "target_config": _target_info(target),
+            "target_config": target_info(target),
             "chat_template": {
                 "has_template": bool(getattr(target.tokenizer, "chat_template", None)),
                 "thinking": thinking,
@@ -596,17 +587,17 @@ def regenerate(
         }
     )
 
-    shards = _shards(out)
+    shards = shard_paths(out)
     headers = [_shard_header(p) for p in shards]
     done = {k for h in headers for k in h["done"]}
     todo = [it for it in items if it.key not in done]
     wall_base = float(manifest.get("wall_time_s", 0.0))
     start = time.perf_counter()
-    shard_index = _next_index(shards)
+    shard_index = next_shard_index(shards)
     manifest["counts"] = _sum_counts(headers)
     manifest["complete"] = not todo
-    manifest["updated"] = _now()
-    _write_json(manifest_path, manifest)
+    manifest["updated"] = utc_now()
+    write_json(manifest_path, manifest)
 
     pad_id = _pad_id(target, eos)
     counter = {"generated": 0}
@@ -618,7 +609,7 @@ def regenerate(
         return f"{n / elapsed:.0f} tok/s" if elapsed > 0 and n else "starting"
 
     label = "copying answers" if no_regenerate else "regenerating"
-    with _Reporter(progress, total=len(items), completed=len(items) - len(todo), label=label) as reporter:
+    with Reporter(progress, total=len(items), completed=len(items) - len(todo), label=label) as reporter:
         if len(items) != len(todo):
             reporter.note(f"resuming {out}: {len(items) - len(todo)} of {len(items)} prompts already done")
         for c in range(0, len(todo), chunk_size):
@@ -637,7 +628,7 @@ def regenerate(
             )
             generated = counter["generated"]
             header["shard"] = shard_index
-            header["finished"] = _now()
+            header["finished"] = utc_now()
             path = out / f"shard-{shard_index:05d}.jsonl"
             lines = [json.dumps({"header": header})] + [json.dumps(r, separators=(",", ":")) for r in records]
             _atomic_write_text(path, "\n".join(lines) + "\n")
@@ -648,8 +639,8 @@ def regenerate(
                 manifest["backend"] = _backend_record(prior_answer_ids, answerer)
             manifest["wall_time_s"] = round(wall_base + time.perf_counter() - start, 2)
             manifest["complete"] = c + chunk_size >= len(todo)
-            manifest["updated"] = _now()
-            _write_json(manifest_path, manifest)
+            manifest["updated"] = utc_now()
+            write_json(manifest_path, manifest)
             elapsed = time.perf_counter() - start
             reporter.note(
                 f"{path.name}: {len(items) - len(todo) + c + len(chunk)}/{len(items)} prompts done, "
@@ -658,306 +649,6 @@ def regenerate(
             )
     manifest["complete"] = True
     manifest["wall_time_s"] = round(wall_base + time.perf_counter() - start, 2)
-    manifest["updated"] = _now()
-    _write_json(manifest_path, manifest)
-    return manifest
-
-
-# ============================================================================================ reading
-
-
-def _read_sequences(data_dir: Path) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
-    """ids, offsets [n+1], flat input ids (int64), flat loss mask (bool) of every sequence in the shards."""
-    ids: list[str] = []
-    tokens: list[list[int]] = []
-    masks: list[list[int]] = []
-    for path in _shards(data_dir):
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if line_no == 1 or not line.strip():
-                    continue
-                try:
-                    r = json.loads(line)
-                    ids.append(r["id"])
-                    tokens.append(r["input_ids"])
-                    masks.append(r["loss_mask"])
-                except (json.JSONDecodeError, KeyError) as e:
-                    raise DataError(f"{path}:{line_no}: bad sequence record ({e})") from None
-    lengths = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
-    offsets = np.zeros(len(tokens) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    flat_ids = np.fromiter((t for seq in tokens for t in seq), dtype=np.int64, count=int(offsets[-1]))
-    flat_mask = np.fromiter((m for seq in masks for m in seq), dtype=bool, count=int(offsets[-1]))
-    return ids, offsets, flat_ids, flat_mask
-
-
-class TrainingData(torch.utils.data.Dataset):
-    """The stored sequences of a data directory (or of the data directory a features directory points at).
-
-    Items are ``{"input_ids": LongTensor[S], "loss_mask": BoolTensor[S]}``, plus ``"features"``
-    ``Tensor[S, T*H]`` when `path` holds offline features (``features=False`` ignores them).
-    """
-
-    def __init__(self, path: str | Path, *, features: bool = True) -> None:
-        path = Path(path)
-        if not path.is_dir():
-            raise DataError(f"training data directory not found: {path}")
-        self.path = path
-        self.features_manifest: dict[str, Any] | None = None
-        fm_path = path / FEATURES_MANIFEST
-        if features and fm_path.exists():
-            self.features_manifest = _read_json(fm_path)
-        if (path / MANIFEST).exists():
-            self.data_dir = path
-        elif fm_path.exists():
-            fm = self.features_manifest or _read_json(fm_path)
-            self.data_dir = (path / fm["data_dir"]).resolve()
-        else:
-            raise DataError(
-                f"{path} holds no flashdraft training data (no {MANIFEST} or {FEATURES_MANIFEST})"
-            )
-        self._manifest = _read_json(self.data_dir / MANIFEST)
-        if self._manifest.get("format") != FORMAT:
-            raise DataError(f"{self.data_dir / MANIFEST} is not a flashdraft data manifest")
-        self.ids, self._offsets, self._ids_flat, self._mask_flat = _read_sequences(self.data_dir)
-        self._rows = list(range(len(self.ids)))
-        self._feature_loc: list[tuple[str, int]] | None = None
-        self._handles: dict[str, Any] = {}
-        if self.features_manifest is not None:
-            self._attach_features()
-
-    def _attach_features(self) -> None:
-        where: dict[str, tuple[str, int, int]] = {}
-        for shard in _feature_shards(self.path):
-            for sid, off, n in zip(shard["ids"], shard["offsets"], shard["lengths"], strict=True):
-                where[sid] = (shard["file"], off, n)
-        rows, locs = [], []
-        for row, sid in enumerate(self.ids):
-            loc = where.get(sid)
-            if loc is None:
-                continue
-            if loc[2] != self._offsets[row + 1] - self._offsets[row]:
-                raise DataError(
-                    f"features of {sid!r} do not match its sequence length: recompute the features"
-                )
-            rows.append(row)
-            locs.append((loc[0], loc[1]))
-        if len(rows) < len(self.ids):
-            warnings.warn(
-                f"{self.path}: offline features cover {len(rows)} of {len(self.ids)} sequences; "
-                "using only those (run `flashdraft data features` again to finish)",
-                stacklevel=3,
-            )
-        self._rows, self._feature_loc = rows, locs
-
-    @property
-    def manifest(self) -> dict[str, Any]:
-        return self._manifest
-
-    @property
-    def has_features(self) -> bool:
-        return self._feature_loc is not None
-
-    @property
-    def lengths(self) -> list[int]:
-        return [int(self._offsets[r + 1] - self._offsets[r]) for r in self._rows]
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
-            raise IndexError(index)
-        row = self._rows[index]
-        a, b = int(self._offsets[row]), int(self._offsets[row + 1])
-        item: dict[str, Any] = {
-            "input_ids": torch.from_numpy(self._ids_flat[a:b].copy()),
-            "loss_mask": torch.from_numpy(self._mask_flat[a:b].copy()),
-        }
-        if self._feature_loc is not None:
-            file, off = self._feature_loc[index]
-            item["features"] = self._handle(file).get_slice("features")[off : off + (b - a)]
-        return item
-
-    def _handle(self, file: str) -> Any:
-        from safetensors import safe_open
-
-        h = self._handles.get(file)
-        if h is None:
-            h = self._handles[file] = safe_open(str(self.path / file), framework="pt")
-        return h
-
-    def __getstate__(self) -> dict[str, Any]:  # DataLoader workers reopen the safetensors files
-        state = dict(self.__dict__)
-        state["_handles"] = {}
-        return state
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        for i in range(len(self)):
-            yield self[i]
-
-
-# ============================================================================================ offline features
-
-
-def _feature_shards(directory: Path) -> list[dict[str, Any]]:
-    """What every features shard holds, read from its safetensors metadata (the source of truth)."""
-    from safetensors import safe_open
-
-    out = []
-    for p in sorted(directory.glob(FEATURES_GLOB)):
-        try:
-            with safe_open(str(p), framework="pt") as f:
-                meta = f.metadata() or {}
-            ids, lengths = json.loads(meta["ids"]), json.loads(meta["lengths"])
-        except Exception as e:
-            raise DataError(f"{p} is not a flashdraft features shard: {e}") from None
-        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(int).tolist() if lengths else []
-        out.append({"file": p.name, "ids": ids, "lengths": lengths, "offsets": offsets})
-    return out
-
-
-def compute_features(
-    target: Any,
-    data_dir: str | Path,
-    out_dir: str | Path,
-    layer_ids: Sequence[int],
-    dtype: torch.dtype | str = torch.float16,
-    *,
-    progress: bool = True,
-    shard_mb: float = 256.0,
-) -> dict[str, Any]:
-    """Cache the target's tapped-layer outputs ([S, len(layer_ids) * H] per sequence) for offline training.
-
-    Each stored sequence runs through the frozen decoder stack, no LM head (`Target.features(ids,
-    layer_ids)`); features go to safetensors shards of about `shard_mb` MB in `dtype`. Resumable;
-    refuses an `out_dir` whose features were made with other layers, dtype, target or data.
-    """
-    if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise DataError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
-        dtype = _DTYPES[dtype]
-    dtype_name = next((k for k, v in _DTYPES.items() if v == dtype), None)
-    if dtype_name is None:
-        raise DataError(f"unsupported features dtype {dtype}")
-    layer_ids = [int(i) for i in layer_ids]
-    if not layer_ids:
-        raise DataError("no layer ids given")
-    bad = [i for i in layer_ids if not 0 <= i < target.num_layers]
-    if bad:
-        raise DataError(
-            f"layer ids {bad} out of range: {target.name} has {target.num_layers} decoder layers "
-            f"(valid 0..{target.num_layers - 1})"
-        )
-    data_dir, out = Path(data_dir), Path(out_dir)
-    data = TrainingData(data_dir, features=False)
-    info = data.manifest.get("target_config", {})
-    mine = _target_info(target)
-    diff = [k for k in ("num_layers", "hidden_size", "vocab_size") if k in info and info[k] != mine[k]]
-    if diff:
-        raise DataError(
-            f"{data_dir} was made with a different target ({data.manifest.get('target')}: "
-            + ", ".join(f"{k} {info[k]} vs {mine[k]}" for k in diff)
-            + f") than {target.name}"
-        )
-    if data.manifest.get("target") != str(target.name):
-        log.warning("data was made by %s, features come from %s", data.manifest.get("target"), target.name)
-
-    out.mkdir(parents=True, exist_ok=True)
-    data_ref = os.path.relpath(data.data_dir.resolve(), out.resolve())
-    settings = {
-        "target": str(target.name),
-        "layer_ids": layer_ids,
-        "dtype": dtype_name,
-        "data_dir": str(data.data_dir.resolve()),
-    }
-    manifest_path = out / FEATURES_MANIFEST
-    manifest = _open_manifest(
-        manifest_path, FEATURES_FORMAT, settings, "offline features",
-        f"{manifest_path} is not a flashdraft features manifest",
-    )  # fmt: skip
-    manifest.update(
-        {
-            "flashdraft_version": _version(),
-            "target": str(target.name),
-            "target_config": mine,
-            "layer_ids": layer_ids,
-            "dtype": dtype_name,
-            "feature_dim": len(layer_ids) * target.hidden_size,
-            "data_dir": data_ref,
-            "data_target": data.manifest.get("target"),
-        }
-    )
-    width = len(layer_ids) * target.hidden_size
-    shard_tokens = max(1, int(shard_mb * 2**20 / (width * torch.finfo(dtype).bits / 8)))
-
-    shards = _feature_shards(out)
-    done = {sid for s in shards for sid in s["ids"]}
-    todo = [row for row, sid in enumerate(data.ids) if sid not in done]
-    wall_base = float(manifest.get("wall_time_s", 0.0))
-    start = time.perf_counter()
-    shard_index = _next_index([out / s["file"] for s in shards])
-
-    def write_index_and_manifest(complete: bool) -> None:
-        current = _feature_shards(out)
-        _write_json(
-            out / FEATURES_INDEX,
-            {"format": FEATURES_FORMAT, "feature_dim": width, "dtype": dtype_name, "shards": current},
-        )
-        manifest["counts"] = {
-            "sequences": sum(len(s["ids"]) for s in current),
-            "tokens": sum(sum(s["lengths"]) for s in current),
-            "shards": len(current),
-            "data_sequences": len(data.ids),
-        }
-        manifest["complete"] = complete
-        manifest["wall_time_s"] = round(wall_base + time.perf_counter() - start, 2)
-        manifest["updated"] = _now()
-        _write_json(manifest_path, manifest)
-
-    write_index_and_manifest(not todo)
-    buf: list[torch.Tensor] = []
-    buf_ids: list[str] = []
-    buf_tokens = 0
-    tokens_done = 0
-
-    def flush() -> None:
-        nonlocal shard_index, buf, buf_ids, buf_tokens
-        from safetensors.torch import save_file
-
-        if not buf:
-            return
-        tensor = torch.cat(buf, dim=0).contiguous()
-        meta = {
-            "format": FEATURES_FORMAT,
-            "ids": json.dumps(buf_ids),
-            "lengths": json.dumps([int(t.shape[0]) for t in buf]),
-            "layer_ids": json.dumps(layer_ids),
-        }
-        path = out / f"features-{shard_index:05d}.safetensors"
-        _atomic_write(path, lambda tmp: save_file({"features": tensor}, str(tmp), metadata=meta))
-        shard_index += 1
-        buf, buf_ids, buf_tokens = [], [], 0
-        write_index_and_manifest(False)
-
-    lengths = data.lengths
-    with _Reporter(
-        progress, total=len(data.ids), completed=len(data.ids) - len(todo), label="features"
-    ) as rep:
-        for row in todo:
-            ids = data[row]["input_ids"].unsqueeze(0).to(target.device)
-            feats = target.features(ids, layer_ids)
-            buf.append(feats[0].to(dtype).cpu())
-            buf_ids.append(data.ids[row])
-            buf_tokens += lengths[row]
-            tokens_done += lengths[row]
-            elapsed = time.perf_counter() - start
-            rep.advance(1, f"{tokens_done / max(elapsed, 1e-9):.0f} tok/s")
-            if buf_tokens >= shard_tokens:
-                flush()
-                rep.note(f"features shard {shard_index - 1:05d} written ({tokens_done} tokens this run)")
-        flush()
-    write_index_and_manifest(True)
+    manifest["updated"] = utc_now()
+    write_json(manifest_path, manifest)
     return manifest

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import typer
 
-from ..data import MANIFEST, DataError, compute_features, load_prompts, regenerate
+from ..data import MANIFEST, DataError, load_prompts, regenerate
 from ..files import atomic_write_text
 from ..target import DTYPES
+from ..training_data import compute_features
 
 
 def _make_app():

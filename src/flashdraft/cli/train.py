@@ -200,9 +200,9 @@ def train_command(
     """Train a DFlash drafter on regenerated data (`flashdraft data regenerate`), then evaluate τ and export."""
     from torch.utils.data import ConcatDataset
 
-    from ..data import TrainingData
     from ..model import _DTYPES
     from ..target import choose_mask_token_id, load_target
+    from ..training_data import TrainingData
 
     rank, world, dist_device = _init_distributed()
     if target_dtype is not None and target_dtype not in _DTYPES:
