@@ -26,7 +26,8 @@ def machine_description(device: torch.device) -> str:
                 break
     except OSError:
         pass
-    return f"{cpu}, {torch.get_num_threads()} threads (CPU)"
+    n = torch.get_num_threads()
+    return f"{cpu}, {n} thread{'s' if n != 1 else ''} (CPU)"
 
 
 def evaluate_tau(
