@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from .costs import CostModel, load_or_measure_costs
 from .generate import GenerationError, GenerationResult, check_request
@@ -183,7 +182,8 @@ class BatchedDFlashProposer(BatchProposer):
         if dtype is None and costs is not None:
             dtype = getattr(torch, costs.draft_dtype, None)
         single = DFlashProposer(draft, target, dtype=dtype)  # checks the pair; casts drafter and head
-        self.draft, self.head_weight, self.head_bias = single.draft, single.head_weight, single.head_bias
+        self.single = single  # its drafter copy and LM head are the ones used here
+        self.draft = single.draft
         self.target = target
         self.costs = costs
         self.fixed = block_size
@@ -300,13 +300,8 @@ class BatchedDFlashProposer(BatchProposer):
         )
         self.pending = [None] * b
         self._compact()
-        # Slot k predicts the token at anchor + k; slot 0's output is unused. 2-D rows: a 3-D strided input would
-        # send the head through bmm with a copy of the whole weight.
-        rows_2d = hidden[:, 1:].reshape(b * (block - 1), -1).to(self.head_weight.dtype)
-        logits = F.linear(rows_2d, self.head_weight, self.head_bias).float().view(b, block - 1, -1)
-        softcap = self.target._softcap
-        if softcap:
-            logits = torch.tanh(logits / softcap) * softcap
+        # Slot k predicts the token at anchor + k; slot 0's output is unused.
+        logits = self.single.head_logits(hidden[:, 1:].reshape(b * (block - 1), -1)).view(b, block - 1, -1)
         probs, tokens = logits.softmax(-1).max(-1)
         return tokens.cpu(), probs.cpu()
 

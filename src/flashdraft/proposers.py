@@ -122,8 +122,12 @@ class DFlashProposer(Proposer):
         )
         self._pending = None
         # Slot k predicts the token at anchor + k (same-position prediction); slot 0's output is unused.
-        hidden = hidden[0, 1:].to(self.head_weight.dtype)
-        logits = F.linear(hidden, self.head_weight, self.head_bias).float()
+        return self.head_logits(hidden[0, 1:])
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, V] float32 logits of the target's LM head (in the drafter's precision) for [rows, H] states.
+        Rows must be 2-D: a 3-D strided input would send the head through bmm with a copy of the whole weight."""
+        logits = F.linear(hidden.to(self.head_weight.dtype), self.head_weight, self.head_bias).float()
         softcap = self.target._softcap
         return torch.tanh(logits / softcap) * softcap if softcap else logits
 

@@ -28,6 +28,15 @@ def _write_json(path: Path, data: Any) -> None:
     tmp.replace(path)
 
 
+def _equal_cell(method: str, s: dict[str, Any], checked: bool, reference: str, unchecked: str) -> str:
+    """How many outputs of `method` equal the reference's (the reference itself and T>0 runs say so)."""
+    if method == REFERENCE:
+        return reference
+    if not checked:
+        return unchecked
+    return f"{s['compared'] - s['mismatches']}/{s['compared']}"
+
+
 def _method_table(by_method: dict[str, dict[str, Any]], checked: bool) -> list[str]:
     lines = [
         "| method | prompts | new tokens | tok/s | decode tok/s | TPOT ms | TTFT ms | speedup vs ar | "
@@ -35,13 +44,8 @@ def _method_table(by_method: dict[str, dict[str, Any]], checked: bool) -> list[s
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for method, s in by_method.items():
-        if method == REFERENCE:
-            equal = "reference"
-        elif not checked:
-            equal = "not checked (T>0)"
-        else:
-            equal = f"{s['compared'] - s['mismatches']}/{s['compared']}"
-            equal += "" if s["mismatches"] == 0 else " **MISMATCH**"
+        equal = _equal_cell(method, s, checked, "reference", "not checked (T>0)")
+        equal += " **MISMATCH**" if method != REFERENCE and checked and s["mismatches"] else ""
         lines.append(
             f"| {method} | {s['samples']} | {s['new_tokens']} | {_fmt(s['tokens_per_s'], '.1f')} | "
             f"{_fmt(s['decode_tokens_per_s'], '.1f')} | {_fmt(s['tpot_s'], '.1f', 1000)} | "
@@ -414,12 +418,7 @@ def print_summary(results: dict[str, Any]) -> None:
             for col in ("method", "tok/s", "TPOT ms", "TTFT ms", "vs ar", "vs hf", "τ", "= ar"):
                 table.add_column(col)
             for method, s in by_method.items():
-                if method == REFERENCE:
-                    equal = "ref"
-                elif not checked:
-                    equal = "—"
-                else:
-                    equal = f"{s['compared'] - s['mismatches']}/{s['compared']}"
+                equal = _equal_cell(method, s, checked, "ref", "—")
                 table.add_row(
                     method, _fmt(s["tokens_per_s"], ".1f"), _fmt(s["tpot_s"], ".1f", 1000),
                     _fmt(s["ttft_s"], ".1f", 1000), _fmt(s["speedup_vs_ar"], suffix="×"),
