@@ -120,6 +120,15 @@ def test_measured_costs_are_positive_and_cover_the_block(tiny):
     assert costs.draft_batch_s(4, 32) >= costs.draft_s(32) and costs.draft_row_s >= 0
 
 
+def test_noisy_costs_never_extrapolate_to_cheaper_or_negative():
+    """Noisy measurements (a busy machine) where 32 tokens timed faster than 8: extrapolating past 32 keeps at
+    least the last measurement, and nothing is priced at or below zero."""
+    noisy = CostModel(lengths=[1, 8, 32], verify_base=[0.010, 0.020, 0.004], verify_slope=[0.0, 0.0, -0.001])
+    assert all(float(noisy.verify_s(n, 100)) > 0 for n in (1, 4, 8, 16, 32, 64, 256))
+    at_32, at_256 = float(noisy.verify_s(32, 0)), float(noisy.verify_s(256, 0))
+    assert abs(at_32 - 0.004) < 1e-6 and at_256 >= at_32 - 1e-9
+
+
 def test_the_drafter_is_probed_before_lookup_can_win(tiny):
     """With verification nearly free (a GPU), a lookup match always looks worth it; the drafter must still get its
     first step, or its rate would never be known."""

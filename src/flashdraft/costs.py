@@ -52,7 +52,8 @@ class CostModel:
         n = torch.as_tensor(n, dtype=torch.float32)
         xs = torch.tensor(self.lengths, dtype=torch.float32)
         ys = torch.tensor(self.verify_base) + torch.tensor(self.verify_slope) * context
-        return _interp(n, xs, ys)
+        # Timing noise (a busy machine) must never price a verify at or below zero.
+        return _interp(n, xs, ys.clamp(min=1e-6))
 
     def step_s(self, max_proposals: int, context: int, propose_s: float) -> torch.Tensor:
         """[max_proposals + 1]: seconds of a step that verifies 0..max_proposals proposals after paying propose_s."""
@@ -82,11 +83,13 @@ class CostModel:
 
 
 def _interp(x: torch.Tensor, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
-    """Piecewise-linear interpolation, linear extrapolation past the last measured length."""
+    """Piecewise-linear interpolation; past the last measured length, linear extrapolation that never falls
+    below the last measurement (a noisy last segment must not make longer verifies look cheaper)."""
     x = x.clamp(min=float(xs[0]))
     i = torch.searchsorted(xs, x.contiguous(), right=True).clamp(1, len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return torch.where(x > xs[-1], torch.maximum(y, ys[-1]), y)
 
 
 def cost_cache_dir() -> Path:
