@@ -30,12 +30,11 @@ from typing import Any
 import torch
 
 from .costs import CostModel, load_or_measure_costs
-from .generate import GenerationError, GenerationResult, check_request
+from .generate import GenerationError, GenerationResult, check_request, cut_emitted
 from .model import PAD_POSITION, DFlashDraftModel, DraftContextCache
 from .policy import confidence_keys, expected_tokens
 from .proposers import (
     _CALIBRATIONS,
-    LOOKUP_MAX_NGRAM,
     LOOKUP_MAX_TOKENS,
     MAX_SKIP_STEPS,
     AdaptiveProposer,
@@ -43,7 +42,7 @@ from .proposers import (
     NoProposer,
     Proposer,
     _Calibration,
-    prompt_lookup,
+    lookup_with_keys,
 )
 from .sampling import SamplingParams, position_uniforms, sample_token, verify_block
 from .target import Target
@@ -309,8 +308,7 @@ class BatchedDFlashProposer(BatchProposer):
     def _lookup(self, row: BatchRow, max_tokens: int) -> tuple[list[int], torch.Tensor]:
         if not self.use_lookup or max_tokens <= 0:
             return [], torch.empty(0, dtype=torch.long)
-        proposal, ngram = prompt_lookup(row.history, min(max_tokens, LOOKUP_MAX_TOKENS), LOOKUP_MAX_NGRAM)
-        return proposal, (ngram - 1) * LOOKUP_MAX_TOKENS + torch.arange(len(proposal))
+        return lookup_with_keys(row.history, max_tokens)
 
     def _batch_rate(
         self, probs: list[torch.Tensor], propose_s: float, context: int, max_n: int
@@ -616,18 +614,14 @@ class BatchDecoder:
             )
             real = proposals[i].shape[0]
             own_accepted.append(min(accepted, real))
-            emitted = emitted[: remaining[i]]
-            reason = None
-            for j, tok in enumerate(emitted):
-                if tok in row.stops:
-                    emitted, reason = emitted[: j + 1], "stop_token"
-                    break
+            emitted, stopped = cut_emitted(emitted, remaining[i], row.stops)
+            reason = "stop_token" if stopped else None
             row.tokens.extend(emitted)
             row.history.extend(emitted)
             res = row.result
             res.acceptance_lengths.append(len(emitted))
             res.draft_lengths.append(real)
-            res.accepted_drafts.append(min(accepted, real))
+            res.accepted_drafts.append(own_accepted[-1])
             if row.on_tokens and row.on_tokens(emitted) is True and reason is None:
                 reason = "caller"
             if reason is None and len(row.tokens) >= row.max_new_tokens:

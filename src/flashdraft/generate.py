@@ -156,6 +156,16 @@ def check_request(
     return ids
 
 
+def cut_emitted(emitted: list[int], remaining: int, stops: set[int]) -> tuple[list[int], bool]:
+    """A step's emitted tokens cut to the `remaining` budget and after the first stop token (which a stop ends the
+    output inside an accepted run with); returns (tokens kept, whether a stop token ended them)."""
+    emitted = emitted[:remaining]
+    for i, tok in enumerate(emitted):
+        if tok in stops:
+            return emitted[: i + 1], True
+    return emitted, False
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -236,13 +246,10 @@ def decode(
         )
         proposer.observe(num_drafts, accepted)
 
-        emitted = emitted[:remaining]
-        for i, tok in enumerate(emitted):
-            if tok in stops:  # a stop token ends the output inside an accepted run
-                emitted = emitted[: i + 1]
-                result.stop_reason = "stop_token"
-                done = True
-                break
+        emitted, stopped = cut_emitted(emitted, remaining, stops)
+        if stopped:
+            result.stop_reason = "stop_token"
+            done = True
         tokens.extend(emitted)
         history.extend(emitted)
         result.acceptance_lengths.append(len(emitted))

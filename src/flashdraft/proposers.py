@@ -167,6 +167,12 @@ MAX_SKIP_STEPS = 32
 PROBE_AFTER_STEPS = 8
 
 
+def lookup_with_keys(history: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """Prompt lookup's proposal and the keys of its acceptance table: (matched n-gram size, slot)."""
+    proposal, ngram = prompt_lookup(history, min(max_tokens, LOOKUP_MAX_TOKENS), LOOKUP_MAX_NGRAM)
+    return proposal, (ngram - 1) * LOOKUP_MAX_TOKENS + torch.arange(len(proposal))
+
+
 class _Calibration:
     """Acceptance tables of one drafter/target pair, shared by every generation in the process."""
 
@@ -231,10 +237,9 @@ class AdaptiveProposer(Proposer):
     def _lookup_option(self, max_tokens: int, context: int) -> tuple[list[int], torch.Tensor, int, float]:
         if not self.use_lookup:
             return [], torch.empty(0, dtype=torch.long), 0, 0.0
-        proposal, ngram = prompt_lookup(self.history, min(max_tokens, LOOKUP_MAX_TOKENS), LOOKUP_MAX_NGRAM)
+        proposal, keys = lookup_with_keys(self.history, max_tokens)
         if not proposal:
             return [], torch.empty(0, dtype=torch.long), 0, 0.0
-        keys = (ngram - 1) * LOOKUP_MAX_TOKENS + torch.arange(len(proposal))
         p = self.calibration.lookup.p(keys)
         n, rate = best_verify_length(p, self.costs.step_s(len(proposal), context, 0.0))
         return proposal, keys, n, rate
