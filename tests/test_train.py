@@ -381,7 +381,7 @@ def test_resume_reaches_the_same_parameters(tmp_path):
 def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str, result_file: str) -> None:
     import torch.distributed as dist
 
-    from flashdraft.train import Trainer
+    from flashdraft.train import Trainer, end_distributed
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -394,8 +394,11 @@ def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str, result_file
         trainer.fit()
         if rank == 0:
             torch.save(trainer.draft.state_dict(), result_file)
-    finally:
-        dist.destroy_process_group()
+        trainer.unwrap()
+        end_distributed()
+    finally:  # a failed rank must not wait in a barrier
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_ddp_two_processes_match_one_process_with_same_global_batch(tmp_path):
@@ -476,7 +479,8 @@ def test_cli_regenerate_train_evaluate_export(tmp_path):
     # The learning curve: τ every 2 steps against what training has seen so far.
     curve = [_json.loads(line) for line in (out / "eval_log.jsonl").read_text().splitlines()]
     steps = len((out / "train_log.jsonl").read_text().splitlines())
-    assert steps >= 3 and [e["step"] for e in curve] == sorted({*range(2, steps + 1, 2), steps})
+    assert steps >= 3 and [e["step"] for e in curve] == sorted({0, *range(2, steps + 1, 2), steps})
+    assert curve[0]["sequences"] == 0 and curve[0]["blocks"] == 0  # where the curve starts
     assert [e["sequences"] for e in curve] == [2 * e["step"] for e in curve]  # 2 sequences per step
     assert all(a["blocks"] < b["blocks"] and a["supervised_tokens"] < b["supervised_tokens"]
                for a, b in zip(curve, curve[1:], strict=False))  # fmt: skip

@@ -18,6 +18,7 @@ over N processes (torchrun, DDP) takes the same steps as one process with the sa
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import time
@@ -304,6 +305,13 @@ class TrainConfig:
     extra_meta: dict[str, Any] = field(default_factory=dict)
 
 
+def end_distributed() -> None:
+    """Wait for every rank, then tear the process group down while the interpreter is fully alive."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _dist_info() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -517,6 +525,14 @@ class Trainer:
             "step_s": dt,
         }
 
+    def unwrap(self) -> None:
+        """Drop the DDP wrapper once training is over. Its reducer holds the process group, so while it lives
+        destroy_process_group cannot free gloo's threads, and they would be torn down at interpreter exit instead
+        (an occasional 'terminate called without an active exception', SIGABRT)."""
+        if self.model is not self.draft:
+            self.model = self.draft
+            gc.collect()
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -565,6 +581,12 @@ class Trainer:
                     continue  # a line cut short by the kill
             atomic_write_text(path, "".join(f"{line}\n" for line in kept))
 
+    def _evaluated_at(self, step: int) -> bool:
+        if not self.eval_path.exists():
+            return False
+        lines = self.eval_path.read_text().splitlines()
+        return any(json.loads(line).get("step") == step for line in lines if line.strip())
+
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
         """τ of the drafter as it is now (fixed verify length B, held-out prompts), one line of the learning
@@ -591,6 +613,9 @@ class Trainer:
             self._truncate_log(self.step)
         if self.rank == 0:
             self.out_dir.mkdir(parents=True, exist_ok=True)
+        if self.cfg.eval_every and self.rank == 0 and self.step == 0 and not self._evaluated_at(0):
+            entry = self.evaluate()  # where the curve starts: the random or --init-from drafter
+            print("step 0: τ " + ", ".join(f"{k} {v:.2f}" for k, v in entry["tau"].items()))
         history: list[dict[str, Any]] = []
         end = self.total_steps if stop_after is None else min(self.total_steps, self.step + stop_after)
         progress = progress_bar(self.cfg.progress and self.rank == 0)

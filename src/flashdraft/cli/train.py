@@ -254,6 +254,7 @@ def train_command(
             f"{trainer.total_steps} steps of {trainer.global_batch} sequences, {world} process(es)"
         )
     trainer.fit(resume=resume)
+    trainer.unwrap()
     if world > 1:
         dist.barrier()
     if rank != 0:
