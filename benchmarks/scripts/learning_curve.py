@@ -80,6 +80,11 @@ def main() -> None:
                 print(f"- {name}: too few points to fit")
                 continue
             a, b = fit
+            seen = [p["sequences"] for p in points[1:] if p["sequences"] > 0]
+            if max(seen) < 3 * min(seen):
+                print(f"- {name}: τ = {a:.2f} + {b:.3f}·ln(n), but the points span less than a factor 3 in "
+                      f"sequences ({min(seen)}-{max(seen)}): too narrow to extrapolate")  # fmt: skip
+                continue
             if b <= 0:
                 print(f"- {name}: τ = {a:.2f} + {b:.3f}·ln(n): not rising over this range, no estimate")
                 continue
