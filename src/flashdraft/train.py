@@ -584,8 +584,13 @@ class Trainer:
     def _evaluated_at(self, step: int) -> bool:
         if not self.eval_path.exists():
             return False
-        lines = self.eval_path.read_text().splitlines()
-        return any(json.loads(line).get("step") == step for line in lines if line.strip())
+        for line in self.eval_path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step") == step:
+                    return True
+            except json.JSONDecodeError:
+                continue  # a line cut short by a kill
+        return False
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
