@@ -567,30 +567,26 @@ class Trainer:
         torch.set_rng_state(state["rng"])
         return True
 
+    @staticmethod
+    def _log_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
+        """The whole lines of a JSONL log with their records; a line cut short by a kill is skipped."""
+        lines = []
+        for line in path.read_text().splitlines() if path.exists() else []:
+            try:
+                lines.append((line, json.loads(line)))
+            except json.JSONDecodeError:
+                continue
+        return lines
+
     def _truncate_log(self, step: int) -> None:
         """Drop log lines a killed run wrote past its last checkpoint: the resumed run logs those steps again."""
         for path in (self.log_path, self.eval_path):
-            if not path.exists():
-                continue
-            kept = []
-            for line in path.read_text().splitlines():
-                try:
-                    if json.loads(line).get("step", 0) <= step:
-                        kept.append(line)
-                except json.JSONDecodeError:
-                    continue  # a line cut short by the kill
-            atomic_write_text(path, "".join(f"{line}\n" for line in kept))
+            if path.exists():
+                kept = [line for line, r in self._log_lines(path) if r.get("step", 0) <= step]
+                atomic_write_text(path, "".join(f"{line}\n" for line in kept))
 
     def _evaluated_at(self, step: int) -> bool:
-        if not self.eval_path.exists():
-            return False
-        for line in self.eval_path.read_text().splitlines():
-            try:
-                if json.loads(line).get("step") == step:
-                    return True
-            except json.JSONDecodeError:
-                continue  # a line cut short by a kill
-        return False
+        return any(r.get("step") == step for _, r in self._log_lines(self.eval_path))
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
