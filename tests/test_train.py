@@ -419,6 +419,34 @@ def test_ddp_two_processes_match_one_process_with_same_global_batch(tmp_path):
         torch.testing.assert_close(ddp_state[name], p, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_padded_micro_batches_train_like_one_forward_per_sequence(tmp_path):
+    """The GPU path (one padded forward per micro-batch) and the per-sequence loop give the same step: sequences of
+    different lengths and anchor counts, one of them with a single valid anchor."""
+    from flashdraft.train import Trainer
+
+    model = bigram_target()
+    data = []
+    for i, row in enumerate(greedy_dataset(model, 8, new=40)):
+        keep = [44, 21, 37, 6, 30, 44, 25, 40][
+            i
+        ]  # prompt 4 + answer: 6 tokens leave exactly one valid anchor
+        data.append({k: v[:keep] for k, v in row.items()})
+    results = {}
+    for padded in (False, True):
+        cfg = small_train_config(tmp_path / str(padded), max_steps=3, batch_size=4, padded_batches=padded)
+        trainer = Trainer(Target(model), data, cfg)
+        logs = trainer.fit()
+        results[padded] = (trainer.draft.state_dict(), logs)
+    (per_seq, logs_a), (padded, logs_b) = results[False], results[True]
+    assert len(logs_a) == len(logs_b) == 3
+    for a, b in zip(logs_a, logs_b, strict=True):
+        assert a["blocks"] == b["blocks"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+        assert a["slot_acc"] == pytest.approx(b["slot_acc"], abs=1e-6)
+    for name, p in per_seq.items():
+        torch.testing.assert_close(padded[name], p, rtol=1e-4, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("layer_types", [["full_attention"], ["sliding_attention"]])
 def test_flex_block_mask_matches_dense_mask(layer_types):
     """The FlexAttention path (used for training on CUDA) computes what the dense boolean mask computes."""
@@ -491,7 +519,21 @@ def test_cli_regenerate_train_evaluate_export(tmp_path):
     assert held["prompts"] <= 2 and (held["prompts"] == 0 or held["tau"] >= 1.0)
     card = (out / "README.md").read_text()
     assert "| held_out |" in card and "chat template mode" in card and "× 2 sequences, 4 anchors" in card
+    assert "answer tokens from prompts.jsonl (greedy)" in card  # the model card records how the data was made
     assert (out / "checkpoints" / "last.pt").exists() and (out / "train_log.jsonl").exists()
+    # `flashdraft eval` is the same measurement as the end of training: same prompts, same τ
+    r = runner.invoke(app, ["eval", "--target", str(model_dir), "--draft", str(out), "--datasets", str(held_out),
+                            "--samples", "2", "--max-new-tokens", "8", "--json", str(tmp_path / "eval.json")])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    again = _json.loads((tmp_path / "eval.json").read_text())["results"]["held_out"]
+    assert again["prompts"] == held["prompts"] and again["tokens"] == held["tokens"]
+    assert again["prompts"] == 0 or again["tau"] == pytest.approx(held["tau"])
+    r = runner.invoke(
+        app, ["eval", "--target", str(model_dir), "--draft", str(out), "--datasets", "nosuchset"]
+    )
+    assert r.exit_code == 2 and r.output.strip().startswith("error: ") and "nosuchset" in r.output, r.output
+    r = runner.invoke(app, ["eval", "--target", str(model_dir), "--draft", str(out), "--block-size", "5"])
+    assert r.exit_code == 2 and "block size 4" in r.output, r.output
     # a resumed run that is already complete does no more steps and exports again
     r = runner.invoke(app, [*args, "--resume", "--eval-datasets", ""])
     assert r.exit_code == 0 and "resumed" in r.output, r.output

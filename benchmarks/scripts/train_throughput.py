@@ -1,6 +1,7 @@
 """Drafter training throughput: blocks per second of the training step under different settings.
 
     python benchmarks/scripts/train_throughput.py --data runs/data/smollm2-gsm8k --threads 2
+    python benchmarks/scripts/train_throughput.py --data DIR --device cuda --only batch   # the batch-shape rows
 
 Times `Trainer.train_step` (target features, the drafter's multi-block forward, the fused frozen-head loss,
 backward, AdamW) on the same sequences for each setting, after one warm-up step, and prints a markdown table.
@@ -47,6 +48,8 @@ def main() -> None:
     ap.add_argument("--data", required=True)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--only", default="", help="run only the settings whose name contains this text")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     data = TrainingData(args.data)
@@ -60,7 +63,26 @@ def main() -> None:
             "bfloat16",
             dict(bf16=True, num_anchors=512, grad_accum=1),
         ),
-        ("bf16, 64 anchors, batch 4 x 1", "bfloat16", dict(bf16=True, num_anchors=64, batch_size=4)),
+        (
+            "bf16, 64 anchors, batch 4 x 1, one forward per sequence",
+            "bfloat16",
+            dict(bf16=True, num_anchors=64, batch_size=4, padded_batches=False),
+        ),
+        (
+            "bf16, 64 anchors, batch 4 x 1, one padded forward",
+            "bfloat16",
+            dict(bf16=True, num_anchors=64, batch_size=4, padded_batches=True),
+        ),
+        (
+            "bf16, 512 anchors, batch 8 x 2, one forward per sequence",
+            "bfloat16",
+            dict(bf16=True, num_anchors=512, batch_size=8, grad_accum=2, padded_batches=False),
+        ),
+        (
+            "bf16, 512 anchors, batch 8 x 2, one padded forward",
+            "bfloat16",
+            dict(bf16=True, num_anchors=512, batch_size=8, grad_accum=2, padded_batches=True),
+        ),
         (
             "bf16, 64 anchors, + KL term",
             "bfloat16",
@@ -74,12 +96,15 @@ def main() -> None:
     ]
     targets = {}
     for name, dtype, kw in settings:
+        if args.only not in name:
+            continue
         if dtype not in targets:
-            targets[dtype] = load_target(args.target, dtype=dtype, device="cpu")
+            targets[dtype] = load_target(args.target, dtype=dtype, device=args.device)
         r = measure(targets[dtype], data, args.steps, **kw)
         rows.append((name, r))
         print(f"{name}: {r['blocks_per_s']:.1f} blocks/s ({r['step_s']:.2f} s/step)", flush=True)
-    print(f"\nmachine: {_cpu_name()}, {args.threads} threads, torch {torch.__version__}\n")
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{args.threads} threads"
+    print(f"\nmachine: {_cpu_name()}, {where}, torch {torch.__version__}\n")
     print("| setting | blocks/s | s per step | blocks per step |\n|---|---|---|---|")
     for name, r in rows:
         print(f"| {name} | {r['blocks_per_s']:.1f} | {r['step_s']:.2f} | {r['blocks_per_step']:.0f} |")

@@ -118,7 +118,7 @@ def write_model_card(out_dir: Path, draft: DFlashDraftModel, info: dict[str, Any
             f"## Acceptance length τ (T=0, block {c.block_size}, held-out prompts, first turn, "
             f"{info.get('eval_max_new_tokens')} new tokens)",
             "",
-            "| dataset | prompts | τ | tokens/s (this machine) |",
+            f"| dataset | prompts | τ | tokens/s ({info.get('eval_hardware') or 'the training machine'}) |",
             "|---|---|---|---|",
         ]
         for name, r in info["eval"].items():
@@ -145,4 +145,12 @@ def data_summary(manifest: dict[str, Any]) -> str:
     counts = manifest.get("counts", {})
     sources = manifest.get("sources") or manifest.get("prompt_files") or []
     names = ", ".join(Path(str(s.get("path", s)) if isinstance(s, dict) else str(s)).name for s in sources)
-    return f"{counts.get('sequences', '?')} sequences / {counts.get('answer_tokens', '?')} answer tokens from {names}"
+    sampling = manifest.get("sampling") or {}
+    how = ""
+    if sampling.get("regenerated") is False:
+        how = " (answers as given)"
+    elif sampling.get("greedy"):
+        how = " (greedy)"
+    elif sampling.get("temperature"):
+        how = f" (sampled at T={sampling['temperature']:g})"
+    return f"{counts.get('sequences', '?')} sequences / {counts.get('answer_tokens', '?')} answer tokens from {names}{how}"

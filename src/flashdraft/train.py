@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .export import evaluate_tau
 from .files import atomic_write, atomic_write_text
-from .model import DFlashDraftModel
+from .model import PAD_POSITION, DFlashDraftModel
 from .progress import progress_bar
 from .target import Target
 
@@ -121,6 +121,54 @@ def draft_hidden_for_blocks(
         num_blocks=num_blocks,
     )
     return hidden[0]
+
+
+def pad_blocks(
+    blocks: Sequence[Blocks], num_blocks: Sequence[int], block_size: int, mask_token_id: int
+) -> Blocks:
+    """Stack the blocks of several sequences into [k, N_max * B] tensors. A padding block is anchored at position 0
+    with weight 0: it sees no context (the rule is context < anchor) and only itself, so it cannot produce a NaN and
+    adds nothing to the loss."""
+    width = max(num_blocks) * block_size
+    k = len(blocks)
+    out = Blocks(
+        input_ids=torch.full((k, width), mask_token_id, dtype=torch.long),
+        positions=torch.arange(width).remainder(block_size).repeat(k, 1),
+        labels=torch.zeros((k, width), dtype=torch.long),
+        weights=torch.zeros((k, width)),
+    )
+    for i, b in enumerate(blocks):
+        q = b.input_ids.numel()
+        out.input_ids[i, :q] = b.input_ids
+        out.positions[i, :q] = b.positions
+        out.labels[i, :q] = b.labels
+        out.weights[i, :q] = b.weights
+    return out
+
+
+def draft_hidden_for_padded_blocks(
+    draft: torch.nn.Module,
+    target: Target,
+    features: torch.Tensor,
+    lengths: Sequence[int],
+    blocks: Blocks,
+    block_size: int,
+) -> torch.Tensor:
+    """`draft_hidden_for_blocks` for k sequences in one forward. features [k, S_max, T*H] (rows past their length
+    are padding: their positions are PAD_POSITION, which no anchor's context rule reaches), blocks from
+    `pad_blocks` ([k, N_max * B]). Returns [k, N_max * B, H]."""
+    k, s_max = features.shape[:2]
+    device = features.device
+    context_positions = torch.arange(s_max, device=device).repeat(k, 1)
+    for i, n in enumerate(lengths):
+        context_positions[i, n:] = PAD_POSITION
+    return draft(
+        target.embed(blocks.input_ids.to(device)),
+        blocks.positions.to(device),
+        target_features=features,
+        context_positions=context_positions,
+        num_blocks=blocks.input_ids.shape[1] // block_size,
+    )
 
 
 class _FrozenHeadCrossEntropy(torch.autograd.Function):
@@ -301,6 +349,9 @@ class TrainConfig:
     eval_samples: int = 8
     eval_max_new_tokens: int = 64
     bf16: bool | None = None  # None: bf16 autocast on CUDA, fp32 on CPU
+    # One padded forward per micro-batch (target and drafter) instead of one per sequence. None: on CUDA, where a
+    # per-sequence loop leaves the GPU waiting on kernel launches; a CPU pays for the padding instead.
+    padded_batches: bool | None = None
     progress: bool = True
     extra_meta: dict[str, Any] = field(default_factory=dict)
 
@@ -369,6 +420,9 @@ class Trainer:
         self.gamma = config.gamma or default_gamma(self.block_size)
         self.weights = slot_weights(self.block_size, self.gamma)
         self.use_bf16 = config.bf16 if config.bf16 is not None else self.device.type == "cuda"
+        self.padded_batches = (
+            config.padded_batches if config.padded_batches is not None else self.device.type == "cuda"
+        )
         self.model: torch.nn.Module = self.draft
         if self.world > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -451,6 +505,48 @@ class Trainer:
         )
         return item, blocks, anchors.numel()
 
+    def _micro_batch_losses(self, mb: list[tuple[dict[str, torch.Tensor], Blocks, int]]):
+        """(weighted loss, flat weights, per-supervised-row correctness, blocks) per forward of a micro-batch: one
+        forward per sequence, or one padded forward for all of them (`padded_batches`)."""
+        mb = [row for row in mb if row[2] > 0]
+        if not mb:
+            return
+        if not self.padded_batches or len(mb) == 1 or self.cfg.kl_weight > 0 or "features" in mb[0][0]:
+            for item, blocks, n in mb:
+                features, last_hidden = self._features(item)
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16):
+                    hidden = draft_hidden_for_blocks(self.model, self.target, features, blocks, n)
+                soft = None
+                if last_hidden is not None:  # the target's distribution for each row's label position
+                    probs, entropy = target_distribution(self.target, last_hidden, self.cfg.lm_head_chunk)
+                    soft = (probs, entropy, (blocks.positions - 1).clamp(0, last_hidden.shape[0] - 1))
+                part, correct = weighted_block_loss(
+                    self.target, hidden, blocks.labels, blocks.weights, self.cfg.lm_head_chunk,
+                    soft=soft, kl_weight=self.cfg.kl_weight,
+                )  # fmt: skip
+                yield part, blocks.weights, correct, n
+            return
+        # Right padding: the target is causal, so a sequence's features do not see the padding after it.
+        ids = [item["input_ids"][: self.cfg.max_length] for item, _, _ in mb]
+        lengths = [int(x.numel()) for x in ids]
+        padded = torch.zeros((len(ids), max(lengths)), dtype=torch.long)
+        for i, x in enumerate(ids):
+            padded[i, : lengths[i]] = x
+        taps = list(self.draft.config.target_layer_ids)
+        features = self.target.features(padded.to(self.device), taps).float()
+        blocks = pad_blocks(
+            [b for _, b, _ in mb], [n for _, _, n in mb], self.block_size, self.draft.mask_token_id
+        )
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16):
+            hidden = draft_hidden_for_padded_blocks(
+                self.model, self.target, features, lengths, blocks, self.block_size
+            )
+        weights = blocks.weights.flatten()
+        part, correct = weighted_block_loss(
+            self.target, hidden.flatten(0, 1), blocks.labels.flatten(), weights, self.cfg.lm_head_chunk
+        )
+        yield part, weights, correct, sum(n for _, _, n in mb)
+
     # ------------------------------------------------------------------ one optimizer step
     def train_step(self) -> dict[str, Any]:
         micro_batches, epoch = self._step_indices(self.step)
@@ -472,22 +568,9 @@ class Trainer:
             ctx = self.model.no_sync() if (self.world > 1 and not sync) else contextlib.nullcontext()
             with ctx:
                 loss = torch.zeros((), device=self.device)
-                for item, blocks, n in mb:
-                    if n == 0:
-                        continue
-                    features, last_hidden = self._features(item)
-                    with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16):
-                        hidden = draft_hidden_for_blocks(self.model, self.target, features, blocks, n)
-                    soft = None
-                    if last_hidden is not None:  # the target's distribution for each row's label position
-                        probs, entropy = target_distribution(self.target, last_hidden, self.cfg.lm_head_chunk)
-                        soft = (probs, entropy, (blocks.positions - 1).clamp(0, last_hidden.shape[0] - 1))
-                    part, correct = weighted_block_loss(
-                        self.target, hidden, blocks.labels, blocks.weights, self.cfg.lm_head_chunk,
-                        soft=soft, kl_weight=self.cfg.kl_weight,
-                    )  # fmt: skip
+                for part, weights, correct, n in self._micro_batch_losses(mb):
                     loss = loss + part
-                    slots = (torch.arange(blocks.weights.numel()) % self.block_size)[blocks.weights > 0]
+                    slots = (torch.arange(weights.numel()) % self.block_size)[weights > 0]
                     slot_correct += torch.bincount(
                         slots, weights=correct.float().cpu(), minlength=self.block_size
                     )

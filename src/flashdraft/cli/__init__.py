@@ -20,6 +20,7 @@ from ..errors import one_line_errors, print_error, user_errors
 from .bench import bench_command
 from .common import console
 from .data import data_app
+from .evaluate import eval_command
 from .generate import generate_command
 from .models import models_app
 from .serve import serve_command
@@ -38,6 +39,7 @@ app.command("train")(train)
 app.command("serve")(serve_command)
 app.add_typer(data_app, name="data")
 app.command("bench")(bench_command)
+app.command("eval")(eval_command)
 
 
 @app.callback()

@@ -144,6 +144,14 @@ def train(
             "--target-dtype bfloat16 trains about 2x faster.",
         ),
     ] = None,
+    padded_batches: Annotated[
+        bool | None,
+        typer.Option(
+            "--padded-batches/--per-sequence",
+            help="one padded target + drafter forward per micro-batch of --batch-size sequences, or one per "
+            "sequence (default: padded on GPU, where a per-sequence loop waits on kernel launches)",
+        ),
+    ] = None,
 ) -> None:
     """Train a DFlash drafter (paper recipe); `torchrun --nproc-per-node N -m flashdraft train ...` for DDP."""
     train_command(**locals())
@@ -196,6 +204,7 @@ def train_command(
     lm_head_chunk: int = 1024,
     target_dtype: str | None = None,
     bf16: bool | None = None,
+    padded_batches: bool | None = None,
 ) -> None:
     """Train a DFlash drafter on regenerated data (`flashdraft data regenerate`), then evaluate τ and export."""
     from torch.utils.data import ConcatDataset
@@ -244,6 +253,7 @@ def train_command(
         eval_max_new_tokens=min(eval_max_new_tokens, 64),
         lm_head_chunk=lm_head_chunk,
         bf16=bf16,
+        padded_batches=padded_batches,
     )
     trainer = Trainer(tgt, dataset, cfg)
     if rank == 0:

@@ -1,0 +1,91 @@
+"""`flashdraft eval`: a drafter's held-out τ, the one measurement every drafter in drafters/README.md is ranked by."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..errors import one_line_errors
+from .common import console, out
+
+
+@one_line_errors
+def eval_command(
+    target: Annotated[str, typer.Option(help="target model: pack name, local path or hub id")],
+    draft: Annotated[str, typer.Option(help="drafter directory (z-lab format) or hub id")],
+    datasets: Annotated[str, typer.Option(help="comma-separated: gsm8k, humaneval, mt-bench, ...")] = (
+        "gsm8k,humaneval,mt-bench"
+    ),
+    samples: Annotated[int, typer.Option(help="prompts per dataset (the first N of a fixed shuffle)")] = 20,
+    max_new_tokens: Annotated[int, typer.Option(help="tokens generated per prompt")] = 128,
+    block_size: Annotated[
+        int | None, typer.Option(help="fixed verify length (default: the drafter's block)")
+    ] = None,
+    dtype: Annotated[
+        str | None, typer.Option(help="the target's dtype: float32 | bfloat16 | float16")
+    ] = None,
+    device: Annotated[str | None, typer.Option(help="cpu | cuda")] = None,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
+) -> None:
+    """τ (tokens per target forward) at T=0 and a fixed verify length on held-out benchmark prompts."""
+    import torch
+
+    from ..datasets import DatasetError, load_bench_dataset
+    from ..export import evaluate_tau
+    from ..generate import GenerationError
+    from ..model import DFlashDraftModel, load_drafter_config
+    from ..packs import resolve_model
+    from ..target import check_drafter_fits_config, load_target, parse_device, parse_dtype
+
+    names = [n.strip() for n in datasets.split(",") if n.strip()]
+    if not names:
+        raise GenerationError("--datasets names no dataset")
+    if samples < 1 or max_new_tokens < 1:
+        raise GenerationError("--samples and --max-new-tokens must be positive")
+    if threads is not None:
+        if threads < 1:
+            raise GenerationError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    for name in names:  # an unknown dataset fails before any model loads
+        try:
+            load_bench_dataset(name, max_samples=1, seed=0)
+        except (DatasetError, OSError) as e:
+            raise GenerationError(str(e)) from None
+    draft_config = load_drafter_config(draft)
+    if block_size is not None and not 1 <= block_size <= draft_config.block_size:
+        raise GenerationError(
+            f"--block-size must be between 1 and the drafter's block size {draft_config.block_size}, got {block_size}"
+        )
+    dev, torch_dtype = parse_device(device), parse_dtype(dtype)
+    target_path = resolve_model(target)
+    from transformers import AutoConfig
+
+    check_drafter_fits_config(draft_config, AutoConfig.from_pretrained(target_path), target)
+    tgt = load_target(target_path, dtype=torch_dtype, device=dev)
+    tgt.name = target
+    drafter = DFlashDraftModel.from_pretrained(draft, dtype=tgt.dtype, device=tgt.device)
+    torch.set_grad_enabled(False)
+    results = evaluate_tau(tgt, drafter, names, samples, max_new_tokens, block_size=block_size)
+    verify = block_size or drafter.block_size
+    for name, r in results.items():
+        out.print(f"τ {name}: {r['tau']:.2f} over {r['prompts']} prompts ({r['tokens_per_s']:.1f} tok/s)")
+    console.print(
+        f"T=0, verify length {verify}, {max_new_tokens} new tokens, target {str(tgt.dtype).removeprefix('torch.')} "
+        f"on {tgt.device}"
+    )
+    if json_out is not None:
+        record = {
+            "target": target,
+            "draft": str(draft),
+            "block_size": verify,
+            "max_new_tokens": max_new_tokens,
+            "samples": samples,
+            "dtype": str(tgt.dtype).removeprefix("torch."),
+            "results": results,
+        }
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(record, indent=2) + "\n")
