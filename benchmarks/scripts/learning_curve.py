@@ -22,10 +22,12 @@ from pathlib import Path
 
 def load_points(logs: list[Path], prior_sequences: int) -> list[dict]:
     points, offset = [], {"sequences": prior_sequences, "supervised_tokens": 0, "train_wall_s": 0.0}
-    for log in logs:
+    for i, log in enumerate(logs):
         entries = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        if i > 0 and entries and entries[0]["sequences"] == 0:
+            entries = entries[1:]  # a continued run's step 0 is the previous run's last point
         for e in entries:
-            points.append({**e, **{k: e[k] + offset[k] for k in offset}})
+            points.append({**e, **{k: e[k] + offset[k] for k in offset}, "run": i})
         if entries:
             offset = {k: points[-1][k] for k in offset}
     return points
@@ -52,6 +54,7 @@ def main() -> None:
                     help="sequences the first run's --init-from drafter had already been trained on")  # fmt: skip
     ap.add_argument("--bars", default="", help="dataset=τ,... to extrapolate to, e.g. gsm8k=4,humaneval=2.5")
     ap.add_argument("--png", type=Path, default=None)
+    ap.add_argument("--labels", default="", help="a name per log for the PNG, separated by semicolons")
     args = ap.parse_args()
     points = load_points(args.logs, args.prior_sequences)
     names = sorted({k for p in points for k in p["tau"]})
@@ -98,8 +101,17 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6.5, 3.8))
-        for n in names:
-            ax.plot([p["sequences"] for p in points], [p["tau"].get(n) for p in points], marker="o", label=n)
+        labels = [x.strip() for x in args.labels.split(";") if x.strip()] or [str(log) for log in args.logs]
+        markers = "os^Dv"
+        for j, n in enumerate(names):
+            ax.plot([p["sequences"] for p in points], [p["tau"].get(n) for p in points], color=f"C{j}", label=n)
+            for i in sorted({p["run"] for p in points}):
+                run = [p for p in points if p["run"] == i]
+                ax.plot([p["sequences"] for p in run], [p["tau"].get(n) for p in run], linestyle="none",
+                        marker=markers[i % len(markers)], color=f"C{j}")  # fmt: skip
+        for i in sorted({p["run"] for p in points}):
+            ax.plot([], [], linestyle="none", marker=markers[i % len(markers)], color="gray",
+                    label=labels[i] if i < len(labels) else str(i))  # fmt: skip
         ax.set_xscale("log")
         ax.set_xlabel("training sequences seen (log scale)")
         ax.set_ylabel("τ (T=0, fixed block)")

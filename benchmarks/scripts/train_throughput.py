@@ -16,9 +16,9 @@ import time
 import torch
 
 from flashdraft.costs import _cpu_name
-from flashdraft.data import TrainingData
 from flashdraft.target import choose_mask_token_id, load_target
 from flashdraft.train import TrainConfig, Trainer
+from flashdraft.training_data import TrainingData
 
 
 def measure(target, data, steps: int, **overrides) -> dict[str, float]:

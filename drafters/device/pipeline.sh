@@ -26,13 +26,19 @@ done
 T="python3 -m flashdraft train --target smollm2-135m-instruct $DATA --init-from ${INIT_FROM:-drafters/smollm2-135m-instruct} \
  --target-dtype bfloat16 --bf16 --block-size 16 --num-anchors 512 --lr 6e-4 --batch-size 8 --grad-accum 2 \
  --max-length 1024 --save-every 100"
-$T --out /tmp/probe --max-steps 8 --eval-datasets '' > /tmp/probe.log 2>&1
-STEP_S=$(python3 -c "import json;r=sorted(json.loads(l)['step_s'] for l in open('/tmp/probe/train_log.jsonl'));print(r[len(r)//2])")
+# time 8 steps each way (the first steps compile flex attention) and keep the faster micro-batch shape
+for mode in per-sequence padded-batches; do
+  $T --$mode --out /tmp/probe-$mode --max-steps 8 --eval-datasets '' > /tmp/probe-$mode.log 2>&1
+  python3 -c "import json;r=sorted(json.loads(l)['step_s'] for l in open('/tmp/probe-$mode/train_log.jsonl'));print(r[len(r)//2], '--$mode')" >> /tmp/probe.txt
+done
+cat /tmp/probe.txt
+read STEP_S MODE <<< "$(sort -g /tmp/probe.txt | head -1)"
 NOW=$(date +%s); STEPS=$(python3 -c "print(max(20, int(($DEADLINE - $NOW - 120) * 0.85 / $STEP_S)))")
-echo "probe step_s $STEP_S -> $STEPS steps (now $NOW, deadline $DEADLINE)"
+echo "probe: $MODE at $STEP_S s/step -> $STEPS steps (now $NOW, deadline $DEADLINE)"
+T="$T $MODE"
 $T --out /tmp/run --max-steps $STEPS --eval-every $((STEPS / 5)) --eval-samples 8 --eval-max-new-tokens 64 > /tmp/run.log 2>&1
 echo "train end $(date +%s) rc $?"
-cp /tmp/pipeline.log /tmp/run.log /tmp/probe.log $D/ 2>/dev/null
+cp /tmp/pipeline.log /tmp/run.log /tmp/probe*.log /tmp/probe.txt $D/ 2>/dev/null
 cd /tmp && tar -czf /tmp/all.tgz d/*/manifest.json d/*/shard-* d/*.log run/*.json run/*.jsonl run/README.md run/model.safetensors
 split -b 15M -d /tmp/all.tgz /tmp/pack/all.tgz.part && touch /tmp/pack.done
 echo "packed $(date +%s)"; ls -la /tmp/pack

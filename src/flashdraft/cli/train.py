@@ -145,13 +145,13 @@ def train(
         ),
     ] = None,
     padded_batches: Annotated[
-        bool | None,
+        bool,
         typer.Option(
             "--padded-batches/--per-sequence",
-            help="one padded target + drafter forward per micro-batch of --batch-size sequences, or one per "
-            "sequence (default: padded on GPU, where a per-sequence loop waits on kernel launches)",
+            help="one padded target + drafter forward per micro-batch of --batch-size sequences (for GPUs, where a "
+            "per-sequence loop waits on kernel launches), or one forward per sequence (faster on CPUs)",
         ),
-    ] = None,
+    ] = False,
 ) -> None:
     """Train a DFlash drafter (paper recipe); `torchrun --nproc-per-node N -m flashdraft train ...` for DDP."""
     train_command(**locals())
@@ -204,7 +204,7 @@ def train_command(
     lm_head_chunk: int = 1024,
     target_dtype: str | None = None,
     bf16: bool | None = None,
-    padded_batches: bool | None = None,
+    padded_batches: bool = False,
 ) -> None:
     """Train a DFlash drafter on regenerated data (`flashdraft data regenerate`), then evaluate τ and export."""
     from torch.utils.data import ConcatDataset
