@@ -104,7 +104,9 @@ def main() -> None:
         labels = [x.strip() for x in args.labels.split(";") if x.strip()] or [str(log) for log in args.logs]
         markers = "os^Dv"
         for j, n in enumerate(names):
-            ax.plot([p["sequences"] for p in points], [p["tau"].get(n) for p in points], color=f"C{j}", label=n)
+            ax.plot(
+                [p["sequences"] for p in points], [p["tau"].get(n) for p in points], color=f"C{j}", label=n
+            )
             for i in sorted({p["run"] for p in points}):
                 run = [p for p in points if p["run"] == i]
                 ax.plot([p["sequences"] for p in run], [p["tau"].get(n) for p in run], linestyle="none",
