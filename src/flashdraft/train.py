@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .export import evaluate_tau
 from .files import atomic_write, atomic_write_text
-from .model import PAD_POSITION, DFlashDraftModel
+from .model import DFlashDraftModel
 from .progress import progress_bar
 from .target import Target
 
@@ -150,18 +150,15 @@ def draft_hidden_for_padded_blocks(
     draft: torch.nn.Module,
     target: Target,
     features: torch.Tensor,
-    lengths: Sequence[int],
     blocks: Blocks,
     block_size: int,
 ) -> torch.Tensor:
-    """`draft_hidden_for_blocks` for k sequences in one forward. features [k, S_max, T*H] (rows past their length
-    are padding: their positions are PAD_POSITION, which no anchor's context rule reaches), blocks from
-    `pad_blocks` ([k, N_max * B]). Returns [k, N_max * B, H]."""
+    """`draft_hidden_for_blocks` for k right-padded sequences in one forward: features [k, S_max, T*H], blocks from
+    `pad_blocks` ([k, N_max * B]). A row's padding sits at positions past its last token, hence past every anchor
+    of that row, so the context rule (context < anchor) already hides it. Returns [k, N_max * B, H]."""
     k, s_max = features.shape[:2]
     device = features.device
     context_positions = torch.arange(s_max, device=device).repeat(k, 1)
-    for i, n in enumerate(lengths):
-        context_positions[i, n:] = PAD_POSITION
     return draft(
         target.embed(blocks.input_ids.to(device)),
         blocks.positions.to(device),
@@ -351,7 +348,8 @@ class TrainConfig:
     bf16: bool | None = None  # None: bf16 autocast on CUDA, fp32 on CPU
     # One padded forward per micro-batch (target and drafter) instead of one per sequence: fewer, larger kernels for
     # a GPU that a per-sequence loop leaves waiting on launches (23 % busy on an H100). A CPU pays for the padding
-    # instead (0.7x at 512 anchors), so it is opt-in; the device pipeline times both and keeps the faster.
+    # instead (0.7x at 512 anchors), so it is opt-in; the device pipeline times both and keeps the faster. The KL term
+    # and offline features keep the per-sequence path.
     padded_batches: bool = False
     progress: bool = True
     extra_meta: dict[str, Any] = field(default_factory=dict)
@@ -421,7 +419,6 @@ class Trainer:
         self.gamma = config.gamma or default_gamma(self.block_size)
         self.weights = slot_weights(self.block_size, self.gamma)
         self.use_bf16 = config.bf16 if config.bf16 is not None else self.device.type == "cuda"
-        self.padded_batches = config.padded_batches
         self.model: torch.nn.Module = self.draft
         if self.world > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -510,7 +507,7 @@ class Trainer:
         mb = [row for row in mb if row[2] > 0]
         if not mb:
             return
-        if not self.padded_batches or len(mb) == 1 or self.cfg.kl_weight > 0 or "features" in mb[0][0]:
+        if not self.cfg.padded_batches or len(mb) == 1 or self.cfg.kl_weight > 0 or "features" in mb[0][0]:
             for item, blocks, n in mb:
                 features, last_hidden = self._features(item)
                 with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16):
@@ -538,7 +535,7 @@ class Trainer:
         )
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16):
             hidden = draft_hidden_for_padded_blocks(
-                self.model, self.target, features, lengths, blocks, self.block_size
+                self.model, self.target, features, blocks, self.block_size
             )
         weights = blocks.weights.flatten()
         part, correct = weighted_block_loss(
