@@ -103,15 +103,16 @@ def main() -> None:
         fig, ax = plt.subplots(figsize=(6.5, 3.8))
         labels = [x.strip() for x in args.labels.split(";") if x.strip()] or [str(log) for log in args.logs]
         markers = "os^Dv"
+        runs = sorted({p["run"] for p in points})
         for j, n in enumerate(names):
             ax.plot(
                 [p["sequences"] for p in points], [p["tau"].get(n) for p in points], color=f"C{j}", label=n
             )
-            for i in sorted({p["run"] for p in points}):
+            for i in runs:
                 run = [p for p in points if p["run"] == i]
                 ax.plot([p["sequences"] for p in run], [p["tau"].get(n) for p in run], linestyle="none",
                         marker=markers[i % len(markers)], color=f"C{j}")  # fmt: skip
-        for i in sorted({p["run"] for p in points}):
+        for i in runs:
             ax.plot([], [], linestyle="none", marker=markers[i % len(markers)], color="gray",
                     label=labels[i] if i < len(labels) else str(i))  # fmt: skip
         ax.set_xscale("log")

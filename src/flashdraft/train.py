@@ -123,13 +123,11 @@ def draft_hidden_for_blocks(
     return hidden[0]
 
 
-def pad_blocks(
-    blocks: Sequence[Blocks], num_blocks: Sequence[int], block_size: int, mask_token_id: int
-) -> Blocks:
+def pad_blocks(blocks: Sequence[Blocks], block_size: int, mask_token_id: int) -> Blocks:
     """Stack the blocks of several sequences into [k, N_max * B] tensors. A padding block is anchored at position 0
     with weight 0: it sees no context (the rule is context < anchor) and only itself, so it cannot produce a NaN and
     adds nothing to the loss."""
-    width = max(num_blocks) * block_size
+    width = max(b.input_ids.numel() for b in blocks)
     k = len(blocks)
     out = Blocks(
         input_ids=torch.full((k, width), mask_token_id, dtype=torch.long),
@@ -530,9 +528,7 @@ class Trainer:
             padded[i, : lengths[i]] = x
         taps = list(self.draft.config.target_layer_ids)
         features = self.target.features(padded.to(self.device), taps).float()
-        blocks = pad_blocks(
-            [b for _, b, _ in mb], [n for _, _, n in mb], self.block_size, self.draft.mask_token_id
-        )
+        blocks = pad_blocks([b for _, b, _ in mb], self.block_size, self.draft.mask_token_id)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16):
             hidden = draft_hidden_for_padded_blocks(
                 self.model, self.target, features, blocks, self.block_size

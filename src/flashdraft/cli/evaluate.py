@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from ..errors import one_line_errors
-from .common import console, out
+from .common import console, out, parse_block_size
 
 
 @one_line_errors
@@ -56,10 +56,8 @@ def eval_command(
         except (DatasetError, OSError) as e:
             raise GenerationError(str(e)) from None
     draft_config = load_drafter_config(draft)
-    if block_size is not None and not 1 <= block_size <= draft_config.block_size:
-        raise GenerationError(
-            f"--block-size must be between 1 and the drafter's block size {draft_config.block_size}, got {block_size}"
-        )
+    if block_size is not None:
+        parse_block_size(str(block_size), draft_config.block_size)  # the same range check as `generate`
     dev, torch_dtype = parse_device(device), parse_dtype(dtype)
     target_path = resolve_model(target)
     from transformers import AutoConfig
