@@ -58,6 +58,103 @@ def tiny_config(arch: str, vocab: int = VOCAB, layers: int = 6, **overrides):
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
 
 
+def hybrid_config(arch: str, vocab: int = VOCAB):
+    """Tiny hybrid / recurrent configs: recurrent (GatedDeltaNet, Mamba, Mamba2) or conv layers beside attention."""
+    import transformers as tf
+
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    gdn = dict(
+        num_hidden_layers=4,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    )
+    moe = dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
+    )
+    if arch == "qwen3_5":
+        return tf.Qwen3_5TextConfig(**gdn, **common)
+    if arch == "qwen3_5_moe":
+        return tf.Qwen3_5MoeTextConfig(**gdn, **moe, **common)
+    if arch == "qwen3_next":
+        return tf.Qwen3NextConfig(**gdn, **moe, **common)
+    if arch == "jamba":
+        common.pop("max_position_embeddings")
+        return tf.JambaConfig(
+            num_hidden_layers=4,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=2,
+            mamba_d_state=8,
+            mamba_dt_rank=8,
+            **common,
+        )
+    if arch == "falcon_h1":
+        return tf.FalconH1Config(
+            num_hidden_layers=3,
+            head_dim=16,
+            mamba_d_ssm=64,
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_n_groups=1,
+            mamba_d_state=8,
+            mamba_chunk_size=8,
+            **common,
+        )
+    if arch == "mamba2":
+        for k in (
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+        ):
+            common.pop(k)
+        return tf.Mamba2Config(
+            num_hidden_layers=3,
+            state_size=8,
+            expand=2,
+            head_dim=16,
+            num_heads=8,
+            n_groups=1,
+            chunk_size=8,
+            **common,
+        )
+    if arch == "lfm2":
+        return tf.Lfm2Config(
+            num_hidden_layers=4, layer_types=["conv", "conv", "full_attention", "conv"], **common
+        )
+    raise ValueError(arch)
+
+
+HYBRID_ARCHS = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "jamba", "falcon_h1", "mamba2", "lfm2"]
+
+
+def hybrid_model(arch: str, seed: int = 0):
+    """A tiny random hybrid model (initializer_range 0.1, as the attention-only ones)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hybrid_config(arch))
+    return model.eval()
+
+
 def tiny_model(arch: str, seed: int = 0, **overrides):
     from transformers import AutoModelForCausalLM
 

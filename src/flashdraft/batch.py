@@ -440,6 +440,7 @@ class BatchDecoder:
     """Rows join (`add`), advance together (`step`) and leave (finished, or `cancel`) between steps."""
 
     def __init__(self, target: Target, proposer: BatchProposer, max_batch_size: int | None = None) -> None:
+        target.check_decodable()
         self.target = target
         self.proposer = proposer
         self.max_batch_size = max_batch_size

@@ -391,14 +391,23 @@ class DFlashConfig:
         """A drafter config with the target's widths (hidden, heads, head_dim, RoPE), as z-lab's drafters have."""
         tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         n_target = int(tc.num_hidden_layers)
-        heads = int(tc.num_attention_heads)
-        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
+        # A target without attention (Mamba2) has no head count to copy: heads of 64 (or 128) dimensions.
+        heads = getattr(tc, "num_attention_heads", None)
+        if not heads:
+            head_dim = 128 if tc.hidden_size % 128 == 0 and tc.hidden_size >= 2048 else 64
+            heads = max(1, tc.hidden_size // head_dim)
+        heads = int(heads)
+        head_dim = (getattr(tc, "head_dim", None) if getattr(tc, "num_attention_heads", None) else None) or (
+            tc.hidden_size // heads
+        )
         rope_theta = _rope_theta_of(tc)
         if target_layer_ids is None:
             target_layer_ids = build_target_layer_ids(n_target, min(num_target_features, n_target))
         return cls(
             hidden_size=int(tc.hidden_size),
-            intermediate_size=int(intermediate_size or tc.intermediate_size),
+            intermediate_size=int(
+                intermediate_size or getattr(tc, "intermediate_size", None) or 4 * int(tc.hidden_size)
+            ),
             num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or heads),

@@ -187,6 +187,7 @@ def measure_costs(
     """Time the target's verify (with the drafter's layer taps, as in decoding) and the draft pass."""
     from .proposers import DFlashProposer
 
+    target.check_decodable()
     t_start = time.perf_counter()
     block = draft.config.block_size
     lengths = (tuple(n for n in lengths if n <= block) or (1,)) + tuple(n for n in batch_tokens if n > block)

@@ -142,6 +142,7 @@ def check_request(
     target: Target, input_ids: torch.Tensor | Sequence[int], max_new_tokens: int
 ) -> torch.Tensor:
     """The prompt as a [1, n] id tensor on the target's device, after the checks every request gets."""
+    target.check_decodable()
     ids = _as_input_ids(input_ids, target.device)
     prompt_len = ids.shape[1]
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:

@@ -87,6 +87,15 @@ class Target:
         self._logits_to_keep_arg = next(
             (a for a in ("logits_to_keep", "num_logits_to_keep") if a in params), None
         )
+        from .recurrent import decoding_support
+
+        self.unsupported_reason = decoding_support(model.config, type(model))  # None: decoding is exact here
+
+    def check_decodable(self) -> None:
+        """Refuse, before anything is decoded, a target whose cache cannot be rolled back exactly (training, which
+        keeps no cache, is unaffected)."""
+        if self.unsupported_reason is not None:
+            raise TargetError(f"cannot decode with target {self.name}: {self.unsupported_reason}")
 
     # ------------------------------------------------------------------ properties
     @property
@@ -320,6 +329,15 @@ def check_drafter_fits(
         and not str(target_name).endswith(trained_for)
     ):
         log.info("drafter was trained for %s, target is %s", trained_for, target_name)
+
+
+def check_decodable_config(target_config: Any, target_name: str | None) -> None:
+    """`Target.check_decodable` from a Hugging Face config of the target (no weights needed)."""
+    from .recurrent import decoding_support
+
+    reason = decoding_support(target_config)
+    if reason is not None:
+        raise TargetError(f"cannot decode with target {target_name or 'the target'}: {reason}")
 
 
 def check_drafter_fits_config(draft_config: Any, target_config: Any, target_name: str | None) -> None:

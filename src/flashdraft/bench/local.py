@@ -81,6 +81,7 @@ class LocalMethods:
 
         self.cfg = cfg
         self.target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
+        self.target.check_decodable()
         self.device = self.target.device
         self.stop_ids = self.target.eos_token_ids
         tok = self.target.tokenizer

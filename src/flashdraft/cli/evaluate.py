@@ -39,7 +39,13 @@ def eval_command(
     from ..generate import GenerationError
     from ..model import DFlashDraftModel, load_drafter_config
     from ..packs import resolve_model
-    from ..target import check_drafter_fits_config, load_target, parse_device, parse_dtype
+    from ..target import (
+        check_decodable_config,
+        check_drafter_fits_config,
+        load_target,
+        parse_device,
+        parse_dtype,
+    )
 
     names = [n.strip() for n in datasets.split(",") if n.strip()]
     if not names:
@@ -62,7 +68,9 @@ def eval_command(
     target_path = resolve_model(target)
     from transformers import AutoConfig
 
-    check_drafter_fits_config(draft_config, AutoConfig.from_pretrained(target_path), target)
+    target_config = AutoConfig.from_pretrained(target_path)
+    check_decodable_config(target_config, target)
+    check_drafter_fits_config(draft_config, target_config, target)
     tgt = load_target(target_path, dtype=torch_dtype, device=dev)
     tgt.name = target
     drafter = DFlashDraftModel.from_pretrained(draft, dtype=tgt.dtype, device=tgt.device)

@@ -77,7 +77,14 @@ def generate_command(
     from ..packs import resolve_model
     from ..progress import busy_machine_warning, quiet_libraries
     from ..sampling import SamplingParams
-    from ..target import TargetError, check_drafter_fits_config, load_target, parse_device, parse_dtype
+    from ..target import (
+        TargetError,
+        check_decodable_config,
+        check_drafter_fits_config,
+        load_target,
+        parse_device,
+        parse_dtype,
+    )
 
     quiet_libraries(verbose)
     # Every check that needs no weights runs first: a typo costs a second, not a model load.
@@ -100,6 +107,7 @@ def generate_command(
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise TargetError(f"cannot read the config of target {target!r}: {first}") from None
+    check_decodable_config(target_config, target)
     check_drafter_fits_config(draft_config, target_config, target)
     if threads:
         torch.set_num_threads(threads)

@@ -50,6 +50,7 @@ def serve_command(
     if max_batch_size < 1:
         raise GenerationError(f"--max-batch-size must be >= 1, got {max_batch_size}")
     tgt = load_target(target, dtype=torch_dtype, device=dev)
+    tgt.check_decodable()
     drafter = None
     if draft is not None:
         check_drafter_fits_config(load_drafter_config(draft), tgt.model.config, target)
