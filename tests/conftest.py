@@ -140,10 +140,56 @@ def hybrid_config(arch: str, vocab: int = VOCAB):
         return tf.Lfm2Config(
             num_hidden_layers=4, layer_types=["conv", "conv", "full_attention", "conv"], **common
         )
+    if arch in SHRUNK_ARCHS:
+        return _shrunk_config(arch, common)
     raise ValueError(arch)
 
 
-HYBRID_ARCHS = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "jamba", "falcon_h1", "mamba2", "lfm2"]
+# Other hybrid families: their default config with every width shrunk, first 4 layers.
+SHRUNK_ARCHS = ["nemotron_h", "olmo_hybrid", "zaya", "lfm3"]
+
+
+def _shrunk_config(model_type: str, common: dict):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    small = dict(
+        common,
+        head_dim=16,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_d_state=8,
+        mamba_n_groups=1,
+        mamba_chunk_size=8,
+        mamba_expand=2,
+        state_size=8,
+        expand=2,
+        num_heads=8,
+        n_groups=1,
+        chunk_size=8,
+        ssm_state_size=8,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        n_routed_experts=4,
+        shared_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_hidden_layers=4,
+    )
+    for key, value in small.items():
+        if hasattr(config, key):
+            setattr(config, key, value)
+    for key in ("layer_types", "layers_block_type", "hybrid_override_pattern"):
+        value = getattr(config, key, None)
+        if isinstance(value, (list, str)) and len(value) > 4:
+            setattr(config, key, value[:4])
+    return config
+
+
+HYBRID_ARCHS = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "jamba", "falcon_h1", "mamba2", "lfm2", *SHRUNK_ARCHS]
 
 
 def hybrid_model(arch: str, seed: int = 0):

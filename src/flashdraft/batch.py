@@ -44,6 +44,7 @@ from .proposers import (
     _Calibration,
     lookup_with_keys,
 )
+from .recurrent import append_rows, has_kv, is_recurrent_layer, select_rows
 from .sampling import SamplingParams, position_uniforms, sample_token, verify_block
 from .target import Target
 
@@ -429,11 +430,23 @@ def _is_sliding(target: Target) -> bool:
     )
 
 
-def _plain_cache() -> Any:
-    """A cache of full-attention layers for every model: sliding windows come from the mask (over columns)."""
+def _batch_cache(target: Target) -> Any:
+    """A cache of full-attention layers for every model (sliding windows come from the mask, over columns), beside
+    the recurrent layers of a hybrid target."""
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
 
-    return DynamicCache()
+    if target.recurrent is None:
+        return DynamicCache()
+    cache = DynamicCache(config=target.model.config)
+    cache.layers = [
+        DynamicLayer() if has_kv(layer) and not is_recurrent_layer(layer) else layer for layer in cache.layers
+    ]
+    return cache
+
+
+def _kv_layers(cache: Any) -> list[Any]:
+    return [layer for layer in cache.layers if has_kv(layer)]
 
 
 class BatchDecoder:
@@ -479,7 +492,7 @@ class BatchDecoder:
         stops = set(self.target.eos_token_ids if stop_token_ids is None else stop_token_ids)
         row = BatchRow(ids, max_new_tokens, sampling, stops, seed, on_tokens, tag=tag)
         t0 = time.perf_counter()
-        cache = _plain_cache()
+        cache = _batch_cache(self.target)
         out = self.target.forward(ids, cache, self.proposer.tap_layer_ids, last_logits_only=True)
         prompt_len = ids.shape[1]
         first = sample_token(out.logits[0, -1], sampling, row.uniforms(prompt_len, 1))
@@ -512,6 +525,10 @@ class BatchDecoder:
         width = self.valid.shape[1]
         total = max(width, length)
         for big, small in zip(self.cache.layers, cache.layers, strict=True):
+            if is_recurrent_layer(big):
+                append_rows(big, small)
+            if not has_kv(big):
+                continue
             for name in ("keys", "values"):
                 a, s = getattr(big, name), getattr(small, name)
                 merged = a.new_zeros(a.shape[0] + 1, a.shape[1], total, a.shape[3])
@@ -547,6 +564,10 @@ class BatchDecoder:
         if cols is not None:
             self.valid = self.valid[:, cols]
         for layer in self.cache.layers:
+            if is_recurrent_layer(layer):
+                select_rows(layer, idx)
+            if not has_kv(layer):
+                continue
             for name in ("keys", "values"):
                 t = getattr(layer, name)[idx]
                 setattr(layer, name, t if cols is None else t[:, :, cols])
@@ -564,7 +585,7 @@ class BatchDecoder:
             return  # holes are cheap until they pile up
         # Per row: padding columns first (any, they stay masked), then its valid columns in order.
         order = torch.argsort(self.valid.int(), dim=1, stable=True)[:, columns - width :]
-        for layer in self.cache.layers:
+        for layer in _kv_layers(self.cache):
             for name in ("keys", "values"):
                 t = getattr(layer, name)
                 idx = order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
@@ -633,6 +654,8 @@ class BatchDecoder:
                 res.proposer_stats = self.proposer.stats(i)
                 row.finish(reason)
                 finished.append(row)
+        # Recurrent state: each row keeps its anchor + accepted drafts (its KV columns are masked below).
+        self.target.keep(self.cache, [int(k.sum()) for k in kept])
         # Verify forward + acceptance bookkeeping: what a step costs besides proposing.
         self.proposer.timed(len(rows), n, int(starts.float().mean()), time.perf_counter() - t0)
         self.proposer.observe(rows, [p.shape[0] for p in proposals], own_accepted)

@@ -224,6 +224,9 @@ def measure_costs(
 
             def verify(n=n, c=c, cache=cache):
                 target.forward(ids[:, c : c + n], cache, taps)
+                target.keep(
+                    cache, [0]
+                )  # recurrent state back to the context: the price of the rollback included
                 target.crop(cache, c)
 
             times.append(median_seconds(verify, repeats))

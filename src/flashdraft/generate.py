@@ -262,6 +262,7 @@ def decode(
             done = True
         if not done:
             # Keep anchor + accepted drafts in the target cache; their features extend the draft context.
+            target.keep(cache, [accepted + 1])
             target.crop(cache, anchor_position + accepted + 1)
             proposer.accept(None if out.features is None else out.features[:, : accepted + 1])
     _sync(device)

@@ -10,7 +10,14 @@ anything it cannot is refused by name.
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
+
+import torch
+from torch import nn
 
 
 def _cache_classes() -> tuple[type, type | None, type | None]:
@@ -32,6 +39,8 @@ def cache_layers(config: Any) -> list[Any]:
         return list(getattr(DynamicCache(config=config), "layers", []) or [])
     except TypeError:  # transformers < 4.56: no config-built caches, every layer is a plain KV layer
         return []
+    except Exception:  # a config transformers cannot build a cache from: the model builds its own (plain KV)
+        return []
 
 
 def causal_lm_class(config: Any) -> type | None:
@@ -44,24 +53,400 @@ def causal_lm_class(config: Any) -> type | None:
         return None
 
 
-def decoding_support(config: Any, model_class: type | None = None) -> str | None:
+# Families whose single, batched and served decoding is tested equal to plain greedy decoding without a cache
+# (tests/test_hybrid.py). Other families with recurrent layers may well work the same way, but are refused until a
+# test says so: a lossless engine does not guess.
+VERIFIED_RECURRENT = frozenset(
+    {
+        "qwen3_5",
+        "qwen3_5_text",
+        "qwen3_5_moe",
+        "qwen3_5_moe_text",
+        "qwen3_next",
+        "jamba",
+        "falcon_h1",
+        "mamba2",
+        "lfm2",
+        "nemotron_h",
+        "olmo_hybrid",
+        "zaya",
+        "lfm3",
+    }
+)
+
+
+def _model_type(config: Any) -> str:
+    return str(getattr(config, "model_type", "") or "")
+
+
+def decoding_support(
+    config: Any, model_class: type | None = None, model: nn.Module | None = None
+) -> str | None:
     """None if the engine decodes this model exactly, else why not (one sentence naming the model class).
     Needs only the config (the class is looked up when not given), so commands refuse before loading weights."""
     model_class = model_class or causal_lm_class(config)
     name = model_class.__name__ if model_class is not None else type(config).__name__
-    if getattr(model_class, "_is_stateful", False):
-        return (
-            f"{name} keeps recurrent (SSM / linear-attention) state that a rejected draft cannot be rolled back "
-            "out of, so speculative decoding would not be exact; flashdraft refuses it"
-        )
     dynamic, _, linear = _cache_classes()
-    for i, layer in enumerate(cache_layers(config)):
-        if isinstance(layer, dynamic):
-            continue
-        if linear is not None and isinstance(layer, linear):
-            continue  # conv-only state (LFM2): its conv window is rolled back with the KV cache
-        return (
-            f"{name} layer {i} uses a {type(layer).__name__} cache that flashdraft cannot roll back exactly; "
-            "flashdraft refuses it"
+    layers = cache_layers(config)
+    recurrent = [i for i, layer in enumerate(layers) if is_recurrent_layer(layer)]
+    why = None
+    if getattr(model_class, "_is_stateful", False) and not recurrent:
+        why = (
+            "its recurrent state is not kept in a transformers linear-attention cache (transformers >= 5.20)"
         )
+    elif any(is_recurrent_layer(layer) and _is_sliding_layer(layer) for layer in layers):
+        why = "a layer shares one cache between a sliding window and a recurrent state"
+    elif recurrent and _model_type(config) not in VERIFIED_RECURRENT:
+        why = (
+            f"its model type {_model_type(config)!r} has not been verified with flashdraft's rollback (verified: "
+            f"{', '.join(sorted(VERIFIED_RECURRENT))})"
+        )
+    elif recurrent:
+        # Exact by snapshot + replay when every recurrent (or conv) state lives in a transformers linear-attention
+        # cache layer and is written by one mixer module that takes the cache as an argument.
+        mixers = find_mixers(model) if model is not None else _mixer_layer_ids(model_class, config)
+        missing = sorted(set(recurrent) - set(mixers))
+        if missing:
+            why = f"no mixer module that can be replayed writes the recurrent state of layers {missing}"
+    if why:
+        return (
+            f"{name} keeps recurrent (SSM / linear-attention) state that flashdraft cannot roll back exactly "
+            f"({why}), so speculative decoding would not be exact; flashdraft refuses it"
+        )
+    import transformers.cache_utils as cu
+
+    stateless = getattr(cu, "DummyLayer", ())  # layers that reuse another layer's KV (gemma-4) or hold none
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, (dynamic, stateless)) and not is_recurrent_layer(layer):
+            return (
+                f"{name} layer {i} uses a {type(layer).__name__} cache that flashdraft cannot roll back exactly; "
+                "flashdraft refuses it"
+            )
     return None
+
+
+def _is_sliding_layer(layer: Any) -> bool:
+    import transformers.cache_utils as cu
+
+    return isinstance(layer, cu.DynamicSlidingWindowLayer)
+
+
+def _mixer_layer_ids(model_class: type | None, config: Any) -> list[int]:
+    """Layer indices of the replayable mixers of a model of this class and config, found on a meta-device copy."""
+    if model_class is None:
+        return []
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # a model that cannot be built on the meta device: no mixer found, refused
+        return []
+    return sorted(find_mixers(model))
+
+
+# ------------------------------------------------------------------------------------------------ exact rollback
+def _linear_mixin() -> type | None:
+    return _cache_classes()[2]
+
+
+def is_recurrent_layer(layer: Any) -> bool:
+    """A cache layer holding conv / recurrent state (possibly beside a KV cache, as in Falcon-H1)."""
+    linear = _linear_mixin()
+    return linear is not None and isinstance(layer, linear)
+
+
+def has_recurrent_layers(config: Any) -> bool:
+    return any(is_recurrent_layer(layer) for layer in cache_layers(config))
+
+
+def has_kv(layer: Any) -> bool:
+    """A cache layer with a KV cache (keys/values over token columns)."""
+    _, base, _ = _cache_classes()
+    return base is None or isinstance(layer, base)
+
+
+def find_mixers(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
+    """The modules that read and write each recurrent cache layer, by layer index, with the name of their cache
+    argument: per layer, the innermost module with that `layer_idx` whose forward takes `cache_params`
+    (GatedDeltaNet, Mamba, Mamba2 mixers) or, failing that, `past_key_values` and is no attention module (LFM2's
+    short convolution)."""
+    recurrent = {i for i, layer in enumerate(cache_layers(model.config)) if is_recurrent_layer(layer)}
+    found: dict[str, tuple[nn.Module, str]] = {}
+    for name, m in model.named_modules():
+        if getattr(m, "layer_idx", None) not in recurrent:
+            continue
+        params = inspect.signature(m.forward).parameters
+        arg = next((a for a in ("cache_params", "past_key_values") if a in params), None)
+        if arg is not None:
+            found[name] = (m, arg)
+    inner = {n: v for n, v in found.items() if not any(o.startswith(n + ".") for o in found)}
+    mixers: dict[int, tuple[nn.Module, str]] = {}
+    for m, arg in inner.values():
+        if arg == "past_key_values" and "attention" in type(m).__name__.lower():
+            continue
+        if m.layer_idx not in mixers or arg == "cache_params":
+            mixers[m.layer_idx] = (m, arg)
+    return mixers
+
+
+@dataclass
+class _Snapshot:
+    """One recurrent layer's state before a verify forward, and what its mixer was called with."""
+
+    conv: dict[int, torch.Tensor | None]
+    recurrent: dict[int, torch.Tensor | None]
+    arguments: dict[str, Any]  # the mixer's bound arguments (hidden_states [b, n, H], masks, ...)
+    cache_arg: str
+    # Stepwise mode: the layer's (conv, recurrent) states after each token of the block.
+    positions: list[tuple[dict, dict]] | None = None
+
+
+class _ReplayCache:
+    """What a mixer sees during a replay: the snapshot state of some rows of one layer, updated as a
+    transformers `LinearAttentionLayer` would be (no past recording)."""
+
+    def __init__(self, conv: dict, recurrent: dict, kernel: dict) -> None:
+        self.conv, self.recurrent, self.kernel = conv, recurrent, kernel
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self.conv.get(state_idx)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self.recurrent.get(state_idx)
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return True
+
+    def update_conv_state(
+        self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
+    ) -> torch.Tensor:
+        full = torch.cat([self.conv[state_idx], conv_states], dim=-1)
+        self.conv[state_idx] = full[..., -self.kernel[state_idx] :]
+        return full
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
+    ) -> torch.Tensor:
+        self.recurrent[state_idx] = recurrent_states
+        return recurrent_states
+
+
+def _slice_rows(value: Any, rows: torch.Tensor, keep: int, batch: int, block: int) -> Any:
+    """A recorded mixer argument for `rows` and the first `keep` of the block's `block` tokens."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() >= 2 and value.shape[0] == batch and value.shape[1] == block:
+            return value.index_select(0, rows.to(value.device))[:, :keep]
+        if value.dim() == 1 and value.shape[0] == block:
+            return value[:keep]
+        if value.dim() >= 1 and value.shape[0] == batch:
+            return value.index_select(0, rows.to(value.device))
+        return value
+    if isinstance(value, tuple):
+        return tuple(_slice_rows(v, rows, keep, batch, block) for v in value)
+    if isinstance(value, list):
+        return [_slice_rows(v, rows, keep, batch, block) for v in value]
+    if isinstance(value, dict):
+        return {k: _slice_rows(v, rows, keep, batch, block) for k, v in value.items()}
+    return value
+
+
+class RecurrentRollback:
+    """Exact rollback of recurrent state, in one of two modes.
+
+    replay (as z-lab's MLX backend does for GatedDeltaNet): around a verify forward (`recording`), each recurrent
+    mixer's layer state is copied just before the mixer runs, and the mixer's inputs are kept. After acceptance
+    (`keep`), a row that keeps k < n of the block's n tokens gets its layer state back from the copy and the mixer
+    re-run over its first k tokens only: the state the target would have after the accepted tokens alone. Rows that
+    keep the whole block cost nothing; rows that keep the same k are replayed together. Only the mixers run again,
+    not the MLPs, attention layers or the LM head.
+
+    stepwise (the per-position snapshots of vLLM and SGLang): for mixers whose multi-token path cannot continue from
+    a cached state (transformers' Mamba-1 mixers, as in Jamba, restart their scan from zero), the verify runs each
+    mixer one token at a time, through its single-token decode path, and keeps the state after every token; `keep`
+    puts back the one at the kept length. `stepwise` is set by the caller (`Target` probes the model).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        found = find_mixers(model)
+        self.mixers = {i: m for i, (m, _) in found.items()}
+        self._cache_args = {i: arg for i, (_, arg) in found.items()}
+        self._signatures = {i: inspect.signature(m.forward) for i, m in self.mixers.items()}
+        self._snapshots: dict[int, _Snapshot] = {}
+        self._cache: Any = None
+        self._block = 0
+        self._replaying = False
+        self.stepwise = False
+        self.replayed_tokens = 0  # for the record: tokens the mixers ran again
+
+    def missing_mixers(self, config: Any) -> list[int]:
+        """Recurrent cache layers of this config with no mixer that can be replayed."""
+        return [
+            i
+            for i, layer in enumerate(cache_layers(config))
+            if is_recurrent_layer(layer) and i not in self.mixers
+        ]
+
+    @contextmanager
+    def recording(self, cache: Any, block: int):
+        """Record the mixers' states and inputs during one verify forward of `block` tokens per row."""
+        self._snapshots, self._cache, self._block = {}, cache, block
+        handles = [
+            m.register_forward_pre_hook(self._pre_hook(i), with_kwargs=True) for i, m in self.mixers.items()
+        ]
+        if self.stepwise:
+            for i, m in self.mixers.items():
+                m.forward = self._stepwise_forward(i, m.forward)
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            if self.stepwise:
+                for m in self.mixers.values():
+                    del m.forward
+
+    def _stepwise_forward(self, layer_idx: int, forward):
+        def run(*args: Any, **kwargs: Any) -> torch.Tensor:
+            arguments = dict(self._signatures[layer_idx].bind(*args, **kwargs).arguments)
+            extra = arguments.pop("kwargs", {}) or {}
+            batch, block = arguments["hidden_states"].shape[:2]
+            snap = self._snapshots[layer_idx]
+            snap.positions = []
+            layer = self._cache.layers[layer_idx]
+            states = range(layer.number_of_states)
+            outputs = []
+            for j in range(block):
+                step = {k: _slice_position(v, j, batch, block) for k, v in arguments.items()}
+                outputs.append(
+                    forward(**step, **{k: _slice_position(v, j, batch, block) for k, v in extra.items()})
+                )
+                snap.positions.append(
+                    (
+                        {s: _clone(layer.conv_states[s]) for s in states if layer.conv_states[s] is not None},
+                        {
+                            s: _clone(layer.recurrent_states[s])
+                            for s in states
+                            if layer.recurrent_states[s] is not None
+                        },
+                    )
+                )
+            return torch.cat(outputs, dim=1)
+
+        return run
+
+    def _pre_hook(self, layer_idx: int):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if self._replaying:
+                return
+            bound = self._signatures[layer_idx].bind(*args, **kwargs)
+            arguments = dict(bound.arguments)
+            layer = self._cache.layers[layer_idx]
+            states = range(layer.number_of_states)
+            self._snapshots[layer_idx] = _Snapshot(
+                conv={s: _clone(layer.conv_states[s]) for s in states if layer.has_previous_state[s]},
+                recurrent={
+                    s: _clone(layer.recurrent_states[s]) for s in states if layer.has_previous_state[s]
+                },
+                arguments=arguments,
+                cache_arg=self._cache_args[layer_idx],
+            )
+
+        return hook
+
+    @torch.no_grad()
+    def keep(self, cache: Any, keep: Sequence[int]) -> None:
+        """Row i keeps the first keep[i] tokens of the block just verified (0 <= keep[i] <= block)."""
+        snapshots, block = self._snapshots, self._block
+        self._snapshots, self._cache = {}, None
+        if not snapshots:
+            return
+        by_length: dict[int, list[int]] = {}
+        for row, k in enumerate(keep):
+            if not 0 <= k <= block:
+                raise ValueError(f"row {row} keeps {k} tokens of a {block}-token block")
+            if k < block:
+                by_length.setdefault(k, []).append(row)
+        if not by_length:
+            return
+        batch = len(keep)
+        self._replaying = True
+        try:
+            for layer_idx, snap in snapshots.items():
+                if not snap.recurrent and not snap.conv:
+                    continue
+                layer = cache.layers[layer_idx]
+                mixer = self.mixers[layer_idx]
+                for k, rows in by_length.items():
+                    idx = torch.tensor(rows, dtype=torch.long, device=layer.device)
+                    if snap.positions is not None and k > 0:  # stepwise: the state after k tokens was kept
+                        conv, rec = snap.positions[k - 1]
+                        for s, t in conv.items():
+                            layer.conv_states[s][idx] = t.index_select(0, idx)
+                        for s, t in rec.items():
+                            layer.recurrent_states[s][idx] = t.index_select(0, idx)
+                        continue
+                    conv = {s: t.index_select(0, idx) for s, t in snap.conv.items() if t is not None}
+                    rec = {s: t.index_select(0, idx) for s, t in snap.recurrent.items() if t is not None}
+                    replay = _ReplayCache(conv, rec, dict(layer.conv_kernel_size))
+                    if k > 0:  # k == 0: the state before the block, as it was
+                        arguments = {
+                            name: replay
+                            if name == snap.cache_arg
+                            else _slice_rows(value, idx, k, batch, block)
+                            for name, value in snap.arguments.items()
+                        }
+                        kwargs = arguments.pop("kwargs", {}) or {}
+                        mixer(**arguments, **kwargs)
+                        self.replayed_tokens += k * len(rows)
+                    for s, t in replay.conv.items():
+                        layer.conv_states[s][idx] = t.to(layer.conv_states[s].dtype)
+                    for s, t in replay.recurrent.items():
+                        layer.recurrent_states[s][idx] = t.to(layer.recurrent_states[s].dtype)
+        finally:
+            self._replaying = False
+
+
+def _slice_position(value: Any, j: int, batch: int, block: int) -> Any:
+    """A mixer argument for token j of the block alone (stepwise mode)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() >= 2 and value.shape[0] == batch and value.shape[1] == block:
+            return value[:, j : j + 1]
+        if value.dim() == 1 and value.shape[0] == block:
+            return value[j : j + 1]
+        return value
+    if isinstance(value, tuple):
+        return tuple(_slice_position(v, j, batch, block) for v in value)
+    if isinstance(value, list):
+        return [_slice_position(v, j, batch, block) for v in value]
+    if isinstance(value, dict):
+        return {k: _slice_position(v, j, batch, block) for k, v in value.items()}
+    return value
+
+
+def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.clone()
+
+
+# ------------------------------------------------------------------------------------------------ batch rows
+def select_rows(layer: Any, idx: torch.Tensor) -> None:
+    """Keep only these rows (in this order) of a recurrent layer's state."""
+    for s in range(layer.number_of_states):
+        if layer.conv_states[s] is not None:
+            layer.conv_states[s] = layer.conv_states[s].index_select(0, idx.to(layer.conv_states[s].device))
+        if layer.recurrent_states[s] is not None:
+            layer.recurrent_states[s] = layer.recurrent_states[s].index_select(
+                0, idx.to(layer.recurrent_states[s].device)
+            )
+
+
+def append_rows(big: Any, small: Any) -> None:
+    """Append the rows of `small`'s recurrent state (a freshly prefilled row) to `big`'s."""
+    for s in range(big.number_of_states):
+        for name in ("conv_states", "recurrent_states"):
+            a, b = getattr(big, name)[s], getattr(small, name)[s]
+            if b is not None:
+                getattr(big, name)[s] = b if a is None else torch.cat([a, b.to(a.dtype)], dim=0)

@@ -84,12 +84,25 @@ class Target:
         ):
             self._embed_scale = self.hidden_size**0.5
         params = inspect.signature(model.forward).parameters
+        self._takes_positions = "position_ids" in params  # recurrent-only models (Mamba2) have no positions
+        self._cache_arg = (
+            "cache_params" if "cache_params" in params and "past_key_values" not in params else None
+        )
         self._logits_to_keep_arg = next(
             (a for a in ("logits_to_keep", "num_logits_to_keep") if a in params), None
         )
-        from .recurrent import decoding_support
+        from .recurrent import RecurrentRollback, decoding_support, has_recurrent_layers
 
-        self.unsupported_reason = decoding_support(model.config, type(model))  # None: decoding is exact here
+        self.unsupported_reason = decoding_support(
+            model.config, type(model), model
+        )  # None: decoding is exact here
+        # Recurrent state (GatedDeltaNet, Mamba): rolled back by snapshot + replay, not by a crop.
+        self.recurrent = (
+            RecurrentRollback(model)
+            if self.unsupported_reason is None and has_recurrent_layers(model.config)
+            else None
+        )
+        self._continues: bool | None = None  # probed on the first verify of a recurrent target
 
     def check_decodable(self) -> None:
         """Refuse, before anything is decoded, a target whose cache cannot be rolled back exactly (training, which
@@ -156,8 +169,15 @@ class Target:
         except TypeError:  # transformers < 4.56
             return DynamicCache()
         if hasattr(cache, "activate_past_recording"):
-            # transformers 5.x: sliding-window layers keep their past so a rejected block can be rolled back.
-            cache.activate_past_recording()
+            # transformers 5.x: sliding-window layers (and conv-only layers, LFM2) keep their past so a rejected
+            # block can be cropped; recurrent layers are rolled back by `keep` instead.
+            from .recurrent import is_recurrent_layer
+
+            for layer in cache.layers:
+                if hasattr(layer, "activate_past_recording") and not (
+                    self.recurrent is not None and is_recurrent_layer(layer)
+                ):
+                    layer.activate_past_recording()
             return cache
         # transformers 4.x: sliding-window cache layers cannot be rolled back once past their window. A full cache
         # can, and stays correct: the model applies its window through the attention mask.
@@ -195,14 +215,17 @@ class Target:
         A tap of layer i equals Hugging Face `hidden_states[i + 1]` (for the last layer that includes the final
         norm, as in HF), without materialising every layer's states.
         """
-        kwargs: dict[str, Any] = {"past_key_values": cache, "use_cache": cache is not None}
+        kwargs: dict[str, Any] = {self._cache_arg or "past_key_values": cache, "use_cache": cache is not None}
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
-        if position_ids is not None:  # batched decoding: rows hold different numbers of tokens
+        if (
+            position_ids is not None and self._takes_positions
+        ):  # a batch: rows hold different numbers of tokens
             kwargs["position_ids"] = position_ids
         if last_logits_only and self._logits_to_keep_arg:
             kwargs[self._logits_to_keep_arg] = 1
-        with self._taps(tap_layer_ids) as captured:
+        record = self.recurrent is not None and cache is not None and self._has_state(cache)
+        with self._taps(tap_layer_ids) as captured, self._recording(cache, input_ids.shape[1], record):
             out = self.model(input_ids=input_ids, **kwargs)
         features = self._concat_taps(captured, tap_layer_ids) if tap_layer_ids else None
         logits = out.logits
@@ -237,9 +260,51 @@ class Target:
     def cache_length(cache: Any) -> int:
         return int(cache.get_seq_length())
 
-    @staticmethod
-    def crop(cache: Any, length: int) -> None:
-        """Roll the KV cache back to `length` tokens (works with transformers 4.57 and 5.x `crop` semantics)."""
+    # ------------------------------------------------------------------ rollback
+    def _has_state(self, cache: Any) -> bool:
+        """Whether a recurrent cache already holds a state (after prefill): only then is a forward a verify."""
+        from .recurrent import is_recurrent_layer
+
+        return any(is_recurrent_layer(layer) and layer.has_previous_state[0] for layer in cache.layers)
+
+    @contextmanager
+    def _recording(self, cache: Any, block: int, record: bool):
+        if not record:
+            yield
+            return
+        if self._continues is None:
+            self._continues = self._continues_from_state()
+            self.recurrent.stepwise = not self._continues
+        with self.recurrent.recording(cache, block):
+            yield
+
+    @torch.no_grad()
+    def _continues_from_state(self) -> bool:
+        """Whether a multi-token forward after a cached prefix gives what one forward over everything gives. Some
+        transformers mixers (Mamba-1, as in Jamba) restart their scan from zero instead: the engine then verifies
+        their tokens one at a time (`RecurrentRollback.stepwise`)."""
+        ids = (torch.arange(3, 11, device=self.device) * 7 % max(self.vocab_size - 3, 1) + 3)[None]
+        full = self.forward(ids, None).logits[0, 5:]
+        cache = self.new_cache()
+        self.model(input_ids=ids[:, :5], **{self._cache_arg or "past_key_values": cache, "use_cache": True})
+        part = self.model(
+            input_ids=ids[:, 5:], **{self._cache_arg or "past_key_values": cache, "use_cache": True}
+        )
+        error = (part.logits[0].float() - full).abs().max()
+        return bool(error <= 0.02 * full.abs().max() + 1e-3)
+
+    def keep(self, cache: Any, keep: Sequence[int]) -> None:
+        """After a verify forward of n tokens per row: row i keeps the first keep[i] of them in its recurrent state
+        (snapshot + replay). KV layers are rolled back by `crop` (or masked, in a batch); this is their twin for
+        recurrent layers, a no-op for targets without any."""
+        if self.recurrent is not None:
+            self.recurrent.keep(cache, keep)
+
+    def crop(self, cache: Any, length: int) -> None:
+        """Roll the KV cache back to `length` tokens (works with transformers 4.57 and 5.x `crop` semantics).
+        Recurrent layers are left to `keep`."""
+        if self.recurrent is not None:
+            return self._crop_kv_layers(cache, length)
         remove = int(cache.get_seq_length()) - length
         if remove < 0:
             raise TargetError(f"cannot crop a cache of {cache.get_seq_length()} tokens to {length}")
@@ -255,6 +320,20 @@ class Target:
             ) from None
         if int(cache.get_seq_length()) != length:
             raise TargetError(f"cache rollback left {cache.get_seq_length()} tokens instead of {length}")
+
+    @staticmethod
+    def _crop_kv_layers(cache: Any, length: int) -> None:
+        from transformers.cache_utils import DynamicLayer
+
+        from .recurrent import has_kv
+
+        for layer in cache.layers:
+            if has_kv(layer) and layer.keys is not None:
+                remove = layer.get_seq_length() - length
+                if remove < 0:
+                    raise TargetError(f"cannot crop a cache of {layer.get_seq_length()} tokens to {length}")
+                if remove:
+                    DynamicLayer.crop(layer, -remove)  # the KV part alone of a hybrid (Falcon-H1) layer
 
     # ------------------------------------------------------------------ compatibility checks
     def check_drafter(self, draft_config: Any) -> None:
