@@ -17,7 +17,7 @@ import time
 import torch
 
 from flashdraft import DFlashDraftModel, DFlashProposer, generate, load_target
-from flashdraft.costs import median_seconds
+from flashdraft.measure import median_seconds
 
 
 def main() -> None:

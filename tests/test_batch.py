@@ -9,8 +9,9 @@ import torch
 
 from conftest import ARCHS, VOCAB, OracleProposer, tiny_model
 from flashdraft import DFlashDraftModel, GenerationError, Target, generate, generate_ar
-from flashdraft.batch import BatchDecoder, BatchedDFlashProposer, BatchRow, PerRowProposers, generate_batch
-from flashdraft.proposers import DFlashProposer
+from flashdraft.engine import BatchDecoder, BatchRow
+from flashdraft.generate import generate_batch
+from flashdraft.proposers import BatchedDFlashProposer, DFlashProposer, PerRowProposers
 from flashdraft.sampling import SamplingParams
 
 

@@ -59,6 +59,8 @@ CASES = [
     ({"--top-p": "0"}, "top_p"),
     ({"--top-k": "-2"}, "top_k"),
     ({"--block-size": "9"}, "drafter's block size 8"),
+    ({"--block-size": "0"}, "--block-size must be 'auto' or a positive integer"),
+    ({"--block-size": "big"}, "--block-size must be 'auto' or an integer"),
     ({"--max-new-tokens": "0"}, "max-new-tokens"),
     ({"--threads": "0"}, "--threads"),
     ({"--target": "nosuchmodel"}, "Known packs"),

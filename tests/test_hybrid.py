@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 from conftest import HYBRID_ARCHS, VOCAB, OracleProposer, hybrid_model
 from flashdraft import DFlashDraftModel, Target, TargetError, generate, generate_ar
-from flashdraft.batch import generate_batch
 from flashdraft.cli import app
+from flashdraft.generate import generate_batch
 
 EXACT = HYBRID_ARCHS
 

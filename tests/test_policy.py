@@ -7,7 +7,8 @@ import torch
 
 from conftest import VOCAB
 from flashdraft import DFlashDraftModel, Target, generate, generate_ar
-from flashdraft.costs import CostModel, measure_costs
+from flashdraft.costs import CostModel
+from flashdraft.measure import measure_costs
 from flashdraft.policy import AcceptanceTable, best_verify_length, expected_tokens
 from flashdraft.proposers import AdaptiveProposer, prompt_lookup
 

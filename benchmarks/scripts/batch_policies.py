@@ -14,9 +14,9 @@ import time
 import torch
 
 from flashdraft import DFlashDraftModel, load_target
-from flashdraft.batch import generate_batch
-from flashdraft.costs import _cpu_name, load_or_measure_costs
 from flashdraft.datasets import load_bench_dataset
+from flashdraft.generate import generate_batch
+from flashdraft.measure import cpu_name, load_or_measure_costs
 
 
 def main() -> None:
@@ -42,7 +42,7 @@ def main() -> None:
         "dflash fixed B=16": dict(draft=draft, block_size=16),
     }
     print(
-        f"machine: {_cpu_name()}, {args.threads} threads, torch {torch.__version__}; {args.dataset}, "
+        f"machine: {cpu_name()}, {args.threads} threads, torch {torch.__version__}; {args.dataset}, "
         f"{args.max_new_tokens} new tokens per prompt"
     )
     print("| batch | " + " | ".join(methods) + " |")

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from flashdraft.costs import _cpu_name
+from flashdraft.measure import cpu_name
 from flashdraft.target import choose_mask_token_id, load_target
 from flashdraft.train import TrainConfig, Trainer
 from flashdraft.training_data import TrainingData
@@ -104,7 +104,7 @@ def main() -> None:
         rows.append((name, r))
         print(f"{name}: {r['blocks_per_s']:.1f} blocks/s ({r['step_s']:.2f} s/step)", flush=True)
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{args.threads} threads"
-    print(f"\nmachine: {_cpu_name()}, {where}, torch {torch.__version__}\n")
+    print(f"\nmachine: {cpu_name()}, {where}, torch {torch.__version__}\n")
     print("| setting | blocks/s | s per step | blocks per step |\n|---|---|---|---|")
     for name, r in rows:
         print(f"| {name} | {r['blocks_per_s']:.1f} | {r['step_s']:.2f} | {r['blocks_per_step']:.0f} |")

@@ -15,7 +15,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from .config import DFlashConfigError
     from .data import DataError
     from .datasets import DatasetError
-    from .generate import GenerationError
+    from .engine import GenerationError
     from .model import DFlashCheckpointError
     from .packs import PackError
     from .prompts import PromptFormatError

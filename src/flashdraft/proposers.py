@@ -1,6 +1,17 @@
-"""Proposers: who suggests the next tokens for the target to verify (one class per method, one interface).
+"""Proposers: who suggests the next tokens for the target to verify (one class per method).
 
-The decode loop (generate.py) talks to a proposer through three calls:
+The engine (engine.py) talks to one interface, `BatchProposer`, for every batch, a request being a batch of one:
+
+    add(row, features)                  a row joined (with the target features of its prompt)
+    remove(keep)                        only these rows stay
+    propose(rows, max_drafts) -> ids    each row's proposals (ragged; at most max_drafts[i])
+    timed(rows, n, context, seconds)    what the verify forward cost (online cost corrections)
+    observe(rows, proposed, accepted)   how many of each row's proposals the target accepted
+    accept(rows, features)              features of the tokens each row just fixed (anchor + accepted drafts)
+
+Two implement it: `BatchedDFlashProposer` drafts every row in ONE drafter forward and picks one verify length for
+the batch; `PerRowProposers` runs one single-sequence `Proposer` per row (plain decoding, prompt lookup, the
+per-sequence `AdaptiveProposer`, test doubles), whose interface is the same calls for one row:
 
     bind_history(tokens)                once: the live list of prompt + fixed tokens (for lookup proposers)
     start(features)                     after prefill, with the target features of the prompt
@@ -8,25 +19,32 @@ The decode loop (generate.py) talks to a proposer through three calls:
     observe(num_proposed, num_accepted) how many of them the target accepted
     accept(features)                    features of the tokens the target just fixed (anchor + accepted drafts)
 
-`tap_layer_ids` says which target layers the proposer needs; an empty tuple means none are captured.
+`tap_layer_ids` says which target layers a proposer needs; an empty tuple means none are captured.
 
-`AdaptiveProposer` is the default: per step it picks prompt lookup, the DFlash drafter or a plain step, and how many
-proposals to verify, by expected tokens per second under the measured cost model (policy.py, costs.py).
+`AdaptiveProposer` (one row) and `BatchedDFlashProposer` (auto) are the cost-aware policy: per step, prompt lookup,
+the DFlash drafter or a plain step, and how many proposals to verify, by expected tokens per second under the
+measured cost model (policy.py, costs.py).
 """
 
 from __future__ import annotations
 
 import copy
+import time
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from .costs import CostModel
-from .model import DFlashDraftModel, DraftContextCache
-from .policy import AcceptanceTable, best_verify_length, confidence_keys, confidence_table
+from .engine import GenerationError
+from .model import PAD_POSITION, DFlashDraftModel, DraftContextCache
+from .policy import AcceptanceTable, best_verify_length, confidence_keys, confidence_table, expected_tokens
 from .target import Target, TargetError
+
+if TYPE_CHECKING:
+    from .engine import BatchRow
 
 
 class Proposer:
@@ -295,3 +313,342 @@ class AdaptiveProposer(Proposer):
         table = self.calibration.draft if source == "dflash" else self.calibration.lookup
         table.update(keys.cpu(), num_proposed, num_accepted)
         self._last = None
+
+
+# ---------------------------------------------------------------------------------------------------------- proposers
+class BatchProposer:
+    """Who proposes for the rows of a batch. Rows are addressed by their index in the batch (which changes as rows
+    leave: `remove` says which stay)."""
+
+    tap_layer_ids: tuple[int, ...] = ()
+    max_block_size: int = 1
+
+    def add(self, row: BatchRow, features: torch.Tensor | None) -> None:
+        """A row joined at the end of the batch, with the target features of its prompt."""
+
+    def remove(self, keep: list[int]) -> None:
+        """Only the rows at these indices stay (in this order)."""
+
+    def propose(self, rows: list[BatchRow], max_drafts: list[int]) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def observe(self, rows: list[BatchRow], proposed: list[int], accepted: list[int]) -> None:
+        """How many of each row's own proposals the target accepted."""
+
+    def accept(self, rows: list[BatchRow], features: list[torch.Tensor | None]) -> None:
+        """Features [1, k, F] of the k tokens each row just fixed (anchor + accepted)."""
+
+    def stats(self, index: int) -> dict[str, Any]:
+        return {}
+
+    def timed(self, rows: int, tokens_per_row: int, context: int, seconds: float) -> None:
+        """How long the target took to verify `rows` x `tokens_per_row` tokens after about `context` cached ones."""
+
+
+class PerRowProposers(BatchProposer):
+    """One single-sequence `Proposer` per row (the per-sequence policy: each row chooses its own verify length
+    under single-sequence costs; the step verifies the longest)."""
+
+    def __init__(self, factory: Callable[[], Proposer]) -> None:
+        self.factory = factory
+        self.proposers: list[Proposer] = []
+        probe = factory()
+        self.tap_layer_ids = probe.tap_layer_ids
+        self.max_block_size = probe.max_block_size
+        self._spare: Proposer | None = probe
+
+    def add(self, row: BatchRow, features: torch.Tensor | None) -> None:
+        proposer, self._spare = self._spare or self.factory(), None
+        proposer.bind_history(row.history)
+        proposer.start(features)
+        self.proposers.append(proposer)
+
+    def remove(self, keep: list[int]) -> None:
+        self.proposers = [self.proposers[i] for i in keep]
+
+    def propose(self, rows: list[BatchRow], max_drafts: list[int]) -> list[torch.Tensor]:
+        return [
+            p.propose(row.tokens[-1], row.anchor_position, m).view(-1).cpu()
+            if m > 0
+            else torch.empty(0, dtype=torch.long)
+            for p, row, m in zip(self.proposers, rows, max_drafts, strict=True)
+        ]
+
+    def observe(self, rows: list[BatchRow], proposed: list[int], accepted: list[int]) -> None:
+        for p, n, a in zip(self.proposers, proposed, accepted, strict=True):
+            p.observe(n, a)
+
+    def accept(self, rows: list[BatchRow], features: list[torch.Tensor | None]) -> None:
+        for p, f in zip(self.proposers, features, strict=True):
+            p.accept(f)
+
+    def stats(self, index: int) -> dict[str, Any]:
+        return self.proposers[index].stats()
+
+
+class BatchedDFlashProposer(BatchProposer):
+    """A DFlash drafter drafting every row in one forward, and one verify length shared by the batch.
+
+    `block_size=None` (auto): per step, prompt lookup for each row (free), the drafter (one pass for all rows) or
+    a plain step, and the shared verify length n maximising the batch's expected tokens per second,
+    sum_i E_i(n) / (t_draft(b) + t_verify(b * n)), under the measured cost model. An integer drafts and verifies
+    that many tokens (anchor included) every step.
+
+    The drafter's context cache is batched too: rows are padded to a common length with PAD_POSITION, which the
+    drafter's mask rule (context before the anchor) never shows to a block.
+    """
+
+    def __init__(
+        self,
+        draft: DFlashDraftModel,
+        target: Target,
+        costs: CostModel | None = None,
+        block_size: int | None = None,
+        lookup: bool = True,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if block_size is None and costs is None:
+            raise ValueError("the automatic verify length needs a cost model")
+        if dtype is None and costs is not None:
+            dtype = getattr(torch, costs.draft_dtype, None)
+        single = DFlashProposer(draft, target, dtype=dtype)  # checks the pair; casts drafter and head
+        self.single = single  # its drafter copy and LM head are the ones used here
+        self.draft = single.draft
+        self.target = target
+        self.costs = costs
+        self.fixed = block_size
+        self.use_lookup = lookup
+        self.tap_layer_ids = single.tap_layer_ids
+        self.max_block_size = single.max_block_size
+        self.mask_token_id = single.mask_token_id
+        self.calibration = _CALIBRATIONS.setdefault(draft, _Calibration())
+        self.cache = DraftContextCache(ragged=True)
+        self.absorbed: list[int] = []  # context tokens of each row already in the draft cache
+        self.pending: list[torch.Tensor | None] = []  # [k, F] features not yet projected, per row
+        self.counts: list[dict[str, int]] = []
+        self._last: list[tuple[str, torch.Tensor] | None] = []
+        self.draft_rate: float | None = None  # the batch's expected tokens/s when drafting (EMA)
+        self.skip_steps = 0
+        self.skip_left = 0
+        # Online corrections of the cost model (measured / predicted, EMA): a batched forward with ragged masks and
+        # a padded draft context cost what the single-row measurements cannot say.
+        self.verify_ratio: dict[tuple[int, int], float] = {}  # by (rows, tokens per row)
+        self.draft_ratio = 1.0
+
+    # -------------------------------------------------------------- rows
+    def add(self, row: BatchRow, features: torch.Tensor | None) -> None:
+        if features is None:
+            raise GenerationError("the DFlash proposer needs target features from prefill")
+        c = self.cache
+        if c.positions is not None:  # the new row holds nothing in the draft cache yet: all padding
+            c.positions = torch.cat([c.positions, torch.full_like(c.positions[:1], PAD_POSITION)])
+            c.keys = [torch.cat([k, torch.zeros_like(k[:1])]) for k in c.keys]
+            c.values = [torch.cat([v, torch.zeros_like(v[:1])]) for v in c.values]
+        self.absorbed.append(0)
+        self.pending.append(features[0])
+        self.counts.append({"dflash": 0, "lookup": 0, "plain": 0})
+        self._last.append(None)
+
+    def remove(self, keep: list[int]) -> None:
+        c = self.cache
+        if c.positions is not None:
+            idx = torch.tensor(keep, dtype=torch.long, device=c.positions.device)
+            c.positions = c.positions[idx]
+            c.keys = [k[idx] for k in c.keys]
+            c.values = [v[idx] for v in c.values]
+            if not keep:
+                self.cache = DraftContextCache(ragged=True)
+        for name in ("absorbed", "pending", "counts", "_last"):
+            old = getattr(self, name)
+            setattr(self, name, [old[i] for i in keep])
+        self._compact()
+
+    def _compact(self) -> None:
+        """Move each row's context left (order kept) when padding fills more than half of the draft cache."""
+        c = self.cache
+        if c.positions is None:
+            return
+        real = c.positions != PAD_POSITION
+        counts = real.sum(1)
+        width = int(counts.max()) if len(counts) else 0
+        if c.positions.shape[1] <= 2 * width + 32:
+            return
+        # Stable order: real columns first, in their order, then padding.
+        order = torch.argsort((~real).int(), dim=1, stable=True)[:, :width]
+        c.positions = torch.gather(c.positions, 1, order)
+        idx = order[:, None, :, None]
+        c.keys = [torch.gather(k, 2, idx.expand(-1, k.shape[1], -1, k.shape[3])) for k in c.keys]
+        c.values = [torch.gather(v, 2, idx.expand(-1, v.shape[1], -1, v.shape[3])) for v in c.values]
+
+    def accept(self, rows: list[BatchRow], features: list[torch.Tensor | None]) -> None:
+        for i, f in enumerate(features):
+            if f is None:
+                raise GenerationError("the DFlash proposer needs target features of the accepted tokens")
+            p = self.pending[i]
+            self.pending[i] = f[0] if p is None else torch.cat([p, f[0]])
+
+    def stats(self, index: int) -> dict[str, Any]:
+        return {"steps_by_source": dict(self.counts[index])}
+
+    # -------------------------------------------------------------- the draft pass
+    @torch.no_grad()
+    def draft_rows(self, rows: list[BatchRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(greedy drafts [b, B-1], the drafter's probability of each) for every row, in one forward."""
+        device = self.target.device
+        b, block = len(rows), self.max_block_size
+        lengths = [0 if p is None else p.shape[0] for p in self.pending]
+        width = max(lengths)
+        features, context_positions = None, None
+        if width:
+            feat_dim = next(p for p in self.pending if p is not None).shape[-1]
+            features = torch.zeros(b, width, feat_dim, dtype=self.pending[0].dtype, device=device)
+            context_positions = torch.full((b, width), PAD_POSITION, dtype=torch.long, device=device)
+            for i, (p, row) in enumerate(zip(self.pending, rows, strict=True)):
+                if p is None:
+                    continue
+                if self.absorbed[i] + p.shape[0] != row.anchor_position:
+                    raise RuntimeError(
+                        f"row {i}: draft context covers {self.absorbed[i] + p.shape[0]} tokens, "
+                        f"anchor is at {row.anchor_position}"
+                    )
+                features[i, : p.shape[0]] = p
+                context_positions[i, : p.shape[0]] = torch.arange(
+                    self.absorbed[i], self.absorbed[i] + p.shape[0], device=device
+                )
+                self.absorbed[i] += p.shape[0]
+        anchors = torch.tensor([row.tokens[-1] for row in rows], device=device)
+        block_ids = torch.full((b, block), self.mask_token_id, dtype=torch.long, device=device)
+        block_ids[:, 0] = anchors
+        starts = torch.tensor([row.anchor_position for row in rows], device=device)
+        block_positions = starts[:, None] + torch.arange(block, device=device)
+        hidden = self.draft(
+            self.target.embed(block_ids),
+            block_positions,
+            target_features=features,
+            context_positions=context_positions,
+            cache=self.cache,
+        )
+        self.pending = [None] * b
+        self._compact()
+        # Slot k predicts the token at anchor + k; slot 0's output is unused.
+        logits = self.single.head_logits(hidden[:, 1:].reshape(b * (block - 1), -1)).view(b, block - 1, -1)
+        probs, tokens = logits.softmax(-1).max(-1)
+        return tokens.cpu(), probs.cpu()
+
+    # -------------------------------------------------------------- the policy
+    def _lookup(self, row: BatchRow, max_tokens: int) -> tuple[list[int], torch.Tensor]:
+        if not self.use_lookup or max_tokens <= 0:
+            return [], torch.empty(0, dtype=torch.long)
+        return lookup_with_keys(row.history, max_tokens)
+
+    def _batch_rate(
+        self, probs: list[torch.Tensor], propose_s: float, context: int, max_n: int
+    ) -> tuple[int, float]:
+        """(shared number of proposals n, expected batch tokens/s) over n = 0..max_n."""
+        b = len(probs)
+        expected = torch.zeros(max_n + 1)
+        for p in probs:
+            e = expected_tokens(p[:max_n])
+            expected += torch.cat([e, e[-1:].expand(max_n + 1 - len(e))])
+        tokens_per_row = torch.arange(1, max_n + 2)
+        step_s = propose_s + self.costs.verify_s(b * tokens_per_row, context) * torch.tensor(
+            [self._verify_ratio(b, int(n)) for n in tokens_per_row]
+        )
+        rates = expected / step_s
+        n = int(torch.argmax(rates))
+        return n, float(rates[n])
+
+    @torch.no_grad()
+    def propose(self, rows: list[BatchRow], max_drafts: list[int]) -> list[torch.Tensor]:
+        b = len(rows)
+        if self.fixed is not None:  # the paper's setting: draft and verify a fixed block for every row
+            tokens, _ = self.draft_rows(rows)
+            self._last = [None] * b
+            for c in self.counts:
+                c["dflash"] += 1
+            return [tokens[i, : min(self.fixed - 1, m)] for i, m in enumerate(max_drafts)]
+
+        context = sum(row.anchor_position for row in rows) // b
+        top = max(max_drafts)
+        plain_rate = b / (float(self.costs.verify_s(b, context)) * self._verify_ratio(b, 1))
+        lookups = [self._lookup(row, m) for row, m in zip(rows, max_drafts, strict=True)]
+        lookup_probs = [self.calibration.lookup.p(keys) for _, keys in lookups]
+        lookup_n, lookup_rate = (
+            self._batch_rate(lookup_probs, 0.0, context, min(top, LOOKUP_MAX_TOKENS))
+            if any(len(p) for p in lookup_probs)
+            else (0, 0.0)
+        )
+        draft_now = (
+            top > 0 and self.skip_left == 0 and (self.draft_rate is None or self.draft_rate >= lookup_rate)
+        )
+        if not draft_now:
+            self.skip_left = max(0, self.skip_left - 1)
+            use_lookup = lookup_n > 0 and lookup_rate > plain_rate
+            out = []
+            for i, ((proposal, keys), m) in enumerate(zip(lookups, max_drafts, strict=True)):
+                k = min(lookup_n, len(proposal), m) if use_lookup else 0
+                self._last[i] = ("lookup", keys[:k]) if k else None
+                self.counts[i]["lookup" if k else "plain"] += 1
+                out.append(torch.tensor(proposal[:k], dtype=torch.long))
+            return out
+
+        t0 = time.perf_counter()
+        tokens, confidence = self.draft_rows(rows)
+        predicted = self.costs.draft_batch_s(b, context)
+        self.draft_ratio = _ema(self.draft_ratio, (time.perf_counter() - t0) / max(predicted, 1e-9))
+        keys = confidence_keys(confidence, self.calibration.confidence_bins)
+        choices = []  # per row: (source, tokens, keys, acceptance probabilities)
+        for i, m in enumerate(max_drafts):
+            p_draft = self.calibration.draft.p(keys[i, :m])
+            candidate = ("dflash", tokens[i, :m], keys[i, :m], p_draft)
+            proposal, lkeys = lookups[i]
+            if len(proposal) and expected_tokens(lookup_probs[i])[-1] > expected_tokens(p_draft)[-1]:
+                candidate = ("lookup", torch.tensor(proposal, dtype=torch.long), lkeys, lookup_probs[i])
+            choices.append(candidate)
+        draft_s = self.costs.draft_batch_s(b, context) * self.draft_ratio
+        n, rate = self._batch_rate([c[3] for c in choices], draft_s, context, top)
+        self.draft_rate = rate if self.draft_rate is None else 0.5 * self.draft_rate + 0.5 * rate
+        if self.draft_rate > max(plain_rate, lookup_rate):
+            self.skip_steps = 0
+        else:  # drafting does not pay for this batch right now: lookup or plain steps, then probe again
+            self.skip_steps = min(MAX_SKIP_STEPS, max(1, 2 * self.skip_steps))
+            self.skip_left = self.skip_steps
+        out = []
+        for i, (source, toks, k, _) in enumerate(choices):
+            self._last[i] = (source, k[:n]) if n else None
+            self.counts[i][source] += 1
+            out.append(toks[:n])
+        return out
+
+    def _verify_ratio(self, rows: int, tokens_per_row: int) -> float:
+        """Measured / predicted step time for this shape (the nearest shape measured so far: same row count
+        first)."""
+        if not self.verify_ratio:
+            return 1.0
+        key = min(self.verify_ratio, key=lambda k: (abs(k[0] - rows), abs(k[1] - tokens_per_row)))
+        return self.verify_ratio[key]
+
+    def timed(self, rows: int, tokens_per_row: int, context: int, seconds: float) -> None:
+        if self.costs is None:
+            return
+        predicted = float(self.costs.verify_s(rows * tokens_per_row, context))
+        old = self.verify_ratio.get((rows, tokens_per_row))
+        ratio = seconds / max(predicted, 1e-9)
+        self.verify_ratio[rows, tokens_per_row] = ratio if old is None else _ema(old, ratio)
+
+    def observe(self, rows: list[BatchRow], proposed: list[int], accepted: list[int]) -> None:
+        for i, (n, a) in enumerate(zip(proposed, accepted, strict=True)):
+            last = self._last[i]
+            if last is None or n == 0:
+                continue
+            source, keys = last
+            table = self.calibration.draft if source == "dflash" else self.calibration.lookup
+            table.update(keys, n, a)
+            self._last[i] = None
+
+
+def _ema(old: float, new: float, keep: float = 0.8) -> float:
+    return keep * old + (1.0 - keep) * new
+
+
+# ---------------------------------------------------------------------------------------------------------- decoder

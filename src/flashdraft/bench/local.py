@@ -105,7 +105,7 @@ class LocalMethods:
                     f"--block-size {cfg.block_size} exceeds the drafter's block size {self.block_size}"
                 )
             if self.verify == "auto" and "dflash" in cfg.methods:
-                from ..costs import load_or_measure_costs
+                from ..measure import load_or_measure_costs
 
                 self.cost_model = load_or_measure_costs(
                     self.target, self.draft, log=lambda m: console.print(m, soft_wrap=True)

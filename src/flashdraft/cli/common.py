@@ -9,17 +9,12 @@ out = Console()
 
 
 def parse_block_size(text: str, drafter_block_size: int | None) -> int | str:
-    """`--block-size`: "auto" (the cost-aware default) or a fixed verify length within the drafter's block."""
-    from ..generate import GenerationError
+    """`--block-size`: "auto" (the cost-aware default) or a fixed verify length within the drafter's block, checked
+    by the engine's own `check_block_size` (one name and one check from the command line to the engine)."""
+    from ..engine import GenerationError, check_block_size
 
-    if text.strip().lower() == "auto":
-        return "auto"
     try:
-        verify = int(text)
-    except ValueError:
-        raise GenerationError(f"--block-size must be 'auto' or an integer, got {text!r}") from None
-    if drafter_block_size is not None and not 1 <= verify <= drafter_block_size:
-        raise GenerationError(
-            f"--block-size must be between 1 and the drafter's block size {drafter_block_size}, got {verify}"
-        )
-    return verify
+        verify = check_block_size(text, drafter_block_size)
+    except GenerationError as e:
+        raise GenerationError(str(e).replace("block_size", "--block-size", 1)) from None
+    return "auto" if verify is None else verify

@@ -132,7 +132,7 @@ def generate_command(
     torch.set_grad_enabled(False)
     costs = None
     if verify == "auto":
-        from ..costs import load_or_measure_costs
+        from ..measure import load_or_measure_costs
 
         costs = load_or_measure_costs(tgt, drafter, log=lambda m: console.print(m, soft_wrap=True))
         if verbose:

@@ -59,7 +59,7 @@ def serve_command(
         torch.set_num_threads(threads)
     costs = None
     if drafter is not None and verify == "auto":
-        from ..costs import load_or_measure_costs
+        from ..measure import load_or_measure_costs
 
         costs = load_or_measure_costs(tgt, drafter, log=lambda m: console.print(m, soft_wrap=True))
     engine = Engine(

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from ..batch import BatchDecoder, BatchRow, batch_proposer
-from ..generate import GenerationResult
+from ..engine import BatchDecoder, BatchRow, GenerationResult
+from ..generate import batch_proposer
 from ..sampling import SamplingParams
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,226 @@
+"""Measuring the price list (costs.py): the real target and drafter timed on this machine, cached.
+
+`measure_costs` times the target's verify over n = 1..B tokens (and longer forwards, for batches) at two context
+lengths, the draft pass for one row and for several, and the draft head in fp32 and bf16. Measurements are cached per
+machine, thread count, model and dtype under `$FLASHDRAFT_HOME/costs/` (or `$FLASHDRAFT_COST_CACHE`), so a process
+pays for them once. The drafter is timed through the same engine and proposers that decode with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .costs import CostModel
+from .files import atomic_write_text
+
+VERIFY_LENGTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+# Batched decoding verifies b rows x n tokens in one forward: its cost is read at b * n tokens (the weights are read
+# once either way, and attention over the context sums over rows), so longer forwards are measured too.
+BATCH_TOKENS = (32, 64, 128)
+DRAFT_BATCH_ROWS = 4
+CONTEXTS = (64, 512)
+COST_MODEL_VERSION = 2
+
+
+def cost_cache_dir() -> Path:
+    env = os.environ.get("FLASHDRAFT_COST_CACHE")
+    if env:
+        return Path(env).expanduser()
+    from .packs import flashdraft_home
+
+    return flashdraft_home() / "costs"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cost_key(target: Any, draft: Any) -> dict[str, Any]:
+    """What the timings depend on: machine, threads, library versions, model shapes and dtypes."""
+    device = target.device
+    return {
+        "version": COST_MODEL_VERSION,
+        "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "device": device.type,
+        "target": str(target.name),
+        "target_shape": [target.num_layers, target.hidden_size, target.vocab_size],
+        "target_dtype": str(target.dtype),
+        "draft_shape": [
+            draft.config.num_hidden_layers,
+            draft.config.intermediate_size,
+            draft.config.block_size,
+        ],
+    }
+
+
+_MEMORY: dict[str, CostModel] = {}
+
+
+def load_or_measure_costs(target: Any, draft: Any, cache: bool = True, log: Any = None) -> CostModel:
+    """The cost model of this target + drafter on this machine: from memory, from the disk cache, or measured."""
+    key = cost_key(target, draft)
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    if digest in _MEMORY:
+        return _MEMORY[digest]
+    path = cost_cache_dir() / f"{digest}.json"
+    if cache and path.exists():
+        try:
+            model = CostModel.from_dict(json.loads(path.read_text()))
+            _MEMORY[digest] = model
+            return model
+        except (OSError, ValueError, TypeError):
+            pass  # a damaged cache entry is measured again
+    if log:
+        log("measuring verify and draft costs on this machine (once per model, dtype and thread count)…")
+    model = measure_costs(target, draft)
+    model.key = key
+    _MEMORY[digest] = model
+    if cache:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, json.dumps(model.to_dict(), indent=2) + "\n")
+        except OSError:
+            pass  # a read-only home only costs a re-measure next time
+    return model
+
+
+def median_seconds(fn, repeats: int) -> float:
+    """Median wall time of `fn()` over `repeats` calls after one warm-up (CUDA synchronised)."""
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def measure_costs(
+    target: Any,
+    draft: Any,
+    lengths: tuple[int, ...] = VERIFY_LENGTHS,
+    contexts: tuple[int, ...] = CONTEXTS,
+    repeats: int = 3,
+    batch_tokens: tuple[int, ...] = BATCH_TOKENS,
+) -> CostModel:
+    """Time the target's verify (with the drafter's layer taps, as in decoding) and the draft pass."""
+    from .proposers import DFlashProposer
+
+    target.check_decodable()
+    t_start = time.perf_counter()
+    block = draft.config.block_size
+    lengths = (tuple(n for n in lengths if n <= block) or (1,)) + tuple(n for n in batch_tokens if n > block)
+    contexts = tuple(min(c, max(8, target.max_context - block - 1)) for c in contexts)
+    taps = tuple(draft.config.target_layer_ids)
+    device = target.device
+    gen = torch.Generator().manual_seed(0)
+    high = min(target.vocab_size, 5000)
+    low = min(10, high - 1)
+    ids = torch.randint(low, high, (1, max(contexts) + block + 1), generator=gen).to(device)
+
+    # Which precision runs the draft head (B-1 rows x vocab) faster here: bf16 wins on CPUs with avx512_bf16/AMX
+    # and on GPUs, loses badly on CPUs without them. The drafter only proposes, so its precision cannot change
+    # the output.
+    weight = target.lm_head.weight
+    rows = torch.randn(block - 1, target.hidden_size, generator=gen).to(device)
+    head_s = {}
+    for dtype in {weight.dtype, torch.bfloat16}:
+        w = weight.to(dtype)
+        x = rows.to(dtype)
+        head_s[str(dtype).removeprefix("torch.")] = median_seconds(
+            lambda w=w, x=x: torch.nn.functional.linear(x, w), 5
+        )
+    draft_dtype = min(head_s, key=head_s.get)
+
+    per_context: list[list[float]] = []
+    draft_times: list[float] = []
+    proposer = DFlashProposer(draft, target, dtype=getattr(torch, draft_dtype))
+    for c in contexts:
+        cache = target.new_cache()
+        prefill = target.forward(ids[:, :c], cache, taps)
+        times = []
+        for n in lengths:
+
+            def verify(n=n, c=c, cache=cache):
+                target.forward(ids[:, c : c + n], cache, taps)
+                target.keep(
+                    cache, [0]
+                )  # recurrent state back to the context: the price of the rollback included
+                target.crop(cache, c)
+
+            times.append(median_seconds(verify, repeats))
+        per_context.append(times)
+        proposer.start(prefill.features)
+        draft_times.append(
+            median_seconds(lambda c=c: proposer.draft_confidences(int(ids[0, c]), c, block - 1), repeats)
+        )
+    c0, c1 = contexts[0], contexts[-1]
+    span = max(c1 - c0, 1)
+    one_row, many_rows = (
+        _measure_draft_rows(target, draft, ids[:, :c0], draft_dtype, rows, repeats)
+        for rows in (1, DRAFT_BATCH_ROWS)
+    )
+    slope = [max(0.0, (b - a) / span) for a, b in zip(per_context[0], per_context[-1], strict=True)]
+    base = [a - s * c0 for a, s in zip(per_context[0], slope, strict=True)]
+    d_slope = max(0.0, (draft_times[-1] - draft_times[0]) / span)
+    return CostModel(
+        lengths=list(lengths),
+        verify_base=base,
+        verify_slope=slope,
+        draft_base=draft_times[0] - d_slope * c0,
+        draft_slope=d_slope,
+        draft_row_s=max(0.0, (many_rows - one_row) / (DRAFT_BATCH_ROWS - 1)),
+        draft_dtype=draft_dtype,
+        head_s=head_s,
+        measured_s=time.perf_counter() - t_start,
+    )
+
+
+def _measure_draft_rows(
+    target: Any, draft: Any, prompt: torch.Tensor, dtype: str, rows: int, repeats: int
+) -> float:
+    """Seconds of one batched draft pass over `rows` rows, each with `prompt` as its context: the rows join an
+    engine (real prefills, not timed) and its proposer drafts for all of them once."""
+    from .engine import BatchDecoder
+    from .proposers import BatchedDFlashProposer
+    from .sampling import SamplingParams
+
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        proposer = BatchedDFlashProposer(
+            draft, target, block_size=draft.config.block_size, dtype=getattr(torch, dtype)
+        )
+        decoder = BatchDecoder(target, proposer)
+        for _ in range(rows):
+            decoder.add(prompt, 2, SamplingParams(), stop_token_ids=[], seed=0)
+        _sync()
+        t0 = time.perf_counter()
+        proposer.draft_rows(decoder.rows)
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
