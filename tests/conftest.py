@@ -23,15 +23,13 @@ torch.set_num_threads(1)
 VOCAB = 96
 
 
-def tiny_config(arch: str, vocab: int = VOCAB, layers: int = 6, **overrides):
-    """A small random config; initializer_range is large so logits are well separated (no argmax near-ties)."""
-    import transformers as tf
-
-    common = dict(
+def _common(vocab: int) -> dict:
+    """The sizes every tiny model shares; initializer_range is large so logits are well separated (no argmax
+    near-ties)."""
+    return dict(
         vocab_size=vocab,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
@@ -41,7 +39,13 @@ def tiny_config(arch: str, vocab: int = VOCAB, layers: int = 6, **overrides):
         bos_token_id=1,
         eos_token_id=2,
     )
-    common.update(overrides)
+
+
+def tiny_config(arch: str, vocab: int = VOCAB, layers: int = 6, **overrides):
+    """A small random config of an attention-only family."""
+    import transformers as tf
+
+    common = dict(_common(vocab), num_hidden_layers=layers, **overrides)
     if arch == "llama":
         return tf.LlamaConfig(**common)
     if arch == "qwen2":
@@ -62,19 +66,7 @@ def hybrid_config(arch: str, vocab: int = VOCAB):
     """Tiny hybrid / recurrent configs: recurrent (GatedDeltaNet, Mamba, Mamba2) or conv layers beside attention."""
     import transformers as tf
 
-    common = dict(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.1,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    common = _common(vocab)
     gdn = dict(
         num_hidden_layers=4,
         head_dim=16,

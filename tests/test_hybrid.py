@@ -94,7 +94,8 @@ def test_cli_refuses_with_one_line_before_loading(tmp_path, arch, monkeypatch):
 @pytest.mark.parametrize("arch", ["qwen3_5", "jamba"])
 def test_training_on_a_hybrid_target_runs(hybrids, arch, tmp_path):
     """Training keeps no cache: a hybrid target's layers are tapped like any other and the loss goes down."""
-    from flashdraft.train import TrainConfig, Trainer
+    from flashdraft.train import Trainer
+    from test_train import small_train_config
 
     model = hybrids[arch]
     target = Target(model)
@@ -105,17 +106,8 @@ def test_training_on_a_hybrid_target_runs(hybrids, arch, tmp_path):
         mask = torch.zeros(40, dtype=torch.bool)
         mask[10:] = True
         data.append({"input_ids": ids, "loss_mask": mask})
-    cfg = TrainConfig(
-        out_dir=str(tmp_path),
-        num_layers=1,
-        block_size=6,
-        num_anchors=8,
-        lr=3e-3,
-        epochs=3,
-        batch_size=2,
-        mask_token_id=VOCAB - 1,
-        progress=False,
-        save_every=10**9,
+    cfg = small_train_config(
+        tmp_path, num_layers=1, block_size=6, num_anchors=8, epochs=3, batch_size=2, mask_token_id=VOCAB - 1
     )
     history = Trainer(target, data, cfg).fit()
     assert history[-1]["loss"] < history[0]["loss"]

@@ -453,12 +453,22 @@ class BatchDecoder:
         block = block.to(device)
         starts = torch.tensor([r.anchor_position for r in rows], device=device)
         positions = starts[:, None] + torch.arange(n, device=device)
-        mask = torch.cat([self.valid, torch.ones(len(rows), n, dtype=torch.bool, device=device)], 1)
+        # Without holes every row holds the same C tokens and its block sits at positions C.., the model's own
+        # defaults: no explicit mask (one row always; the causal fast path of SDPA stays available).
+        mask = None
+        if not bool(self.valid.all()):
+            mask = torch.cat(
+                [self.valid, torch.ones(len(rows), n, dtype=torch.bool, device=device)], 1
+            ).long()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         out = self.target.forward(
-            block, self.cache, self.proposer.tap_layer_ids, attention_mask=mask.long(), position_ids=positions
+            block,
+            self.cache,
+            self.proposer.tap_layer_ids,
+            attention_mask=mask,
+            position_ids=None if mask is None else positions,
         )
 
         kept = torch.zeros(len(rows), n, dtype=torch.bool, device=device)

@@ -25,7 +25,7 @@ def _cache_classes() -> tuple[type, type | None, type | None]:
     import transformers.cache_utils as cu
 
     return (
-        cu.DynamicLayer,
+        getattr(cu, "DynamicLayer", ()),
         getattr(cu, "CacheLayerMixin", None),
         getattr(cu, "LinearAttentionCacheLayerMixin", None),
     )

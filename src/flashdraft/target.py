@@ -272,11 +272,19 @@ class Target:
         if not record:
             yield
             return
+        self.rollback_mode()
+        with self.recurrent.recording(cache, block):
+            yield
+
+    def rollback_mode(self) -> str | None:
+        """How this target's recurrent state is rolled back: "replay", "stepwise" (probed once), or None (no
+        recurrent state: KV crops only)."""
+        if self.recurrent is None:
+            return None
         if self._continues is None:
             self._continues = self._continues_from_state()
             self.recurrent.stepwise = not self._continues
-        with self.recurrent.recording(cache, block):
-            yield
+        return "stepwise" if self.recurrent.stepwise else "replay"
 
     @torch.no_grad()
     def _continues_from_state(self) -> bool:
