@@ -174,7 +174,7 @@ def test_greedy_single_and_batched_equal_plain_greedy_without_cache(hybrids, arc
     assert [g.new_tokens for g in got] == truth
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "jamba", "mamba2"])
+@pytest.mark.parametrize("arch", EXACT)
 def test_seeded_sampling_equals_plain_sampling(hybrids, arch):
     model = hybrids[arch]
     target = Target(model)
