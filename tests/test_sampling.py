@@ -223,3 +223,30 @@ def test_same_seed_same_sample(small_target):
         )
         > 1
     )
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 5e-324, 1e-6])
+def test_a_vanishing_temperature_decodes_greedily(small_target, temperature):
+    """logits / 1e-40 overflow float32: the probabilities were NaN and the draw picked the last id every time."""
+    target = Target(small_target)
+    greedy = generate_ar(target, PROMPT, 12, stop_token_ids=[]).new_tokens
+    assert (
+        generate_ar(target, PROMPT, 12, temperature=temperature, stop_token_ids=[], seed=1).new_tokens
+        == greedy
+    )
+    draft = DFlashDraftModel.for_target(small_target.config, num_layers=1, block_size=4, mask_token_id=V - 1)
+    got = generate(
+        target, draft, PROMPT, 12, temperature=temperature, stop_token_ids=[], seed=1, block_size=4
+    )
+    assert got.new_tokens == greedy
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_non_finite_logits_raise_instead_of_drawing_garbage(temperature):
+    from flashdraft.sampling import SamplingError
+
+    model = tiny_model("llama", seed=3, vocab=V, layers=2)
+    with torch.no_grad():
+        model.lm_head.weight[2, 0] = float("nan")  # one vocabulary row: NaN logits at every position
+    with pytest.raises(SamplingError, match="output position 5 are not finite"):
+        generate_ar(Target(model), PROMPT, 4, temperature=temperature, seed=0)

@@ -234,6 +234,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(models, tmp_path):
         ({"model": MODEL, "messages": MESSAGES, "tools": []}, 400, "tools"),
         ({"model": MODEL, "messages": []}, 400, "messages"),
         ({"model": MODEL, "messages": MESSAGES, "stop": [10_000]}, 400, "stop token ids"),
+        ("[" * 50_000 + "]" * 50_000, 400, ""),  # nested too deep to parse: still the OpenAI error body
     ],
 )
 def test_bad_input_is_a_4xx_with_an_openai_error_and_the_server_keeps_serving(server, body, status, needle):
@@ -314,3 +315,22 @@ def test_plain_server_without_drafter(models):
         QueueFullError, match="shutting down"
     ):  # after close(): refused (HTTP 503), not queued
         engine.submit(EngineRequest(prompt_ids=[5, 6], max_tokens=2), asyncio.new_event_loop())
+
+
+def test_every_framework_error_has_the_openai_error_body(server):
+    base = server["base"]
+    for r, status in (
+        (httpx.get(f"{base}/v1/no-such-endpoint", timeout=10), 404),
+        (httpx.get(f"{base}/v1/chat/completions", timeout=10), 405),
+    ):
+        assert r.status_code == status, r.text
+        assert set(r.json()) == {"error"} and r.json()["error"]["message"], r.text
+
+
+def test_a_lone_surrogate_is_answered_not_a_500(server):
+    """Valid JSON may hold a lone UTF-16 surrogate; the tokenizer cannot encode it, so it is read as U+FFFD."""
+    body = '{"model": "%s", "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "w7 \\ud800 w9"}]}'
+    r = httpx.post(f"{server['base']}/v1/chat/completions", content=body % MODEL,
+                   headers={"content-type": "application/json"}, timeout=30)  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] is not None

@@ -328,7 +328,7 @@ class BatchDecoder:
         cache = _batch_cache(self.target)
         out = self.target.forward(ids, cache, self.proposer.tap_layer_ids, last_logits_only=True)
         prompt_len = ids.shape[1]
-        first = sample_token(out.logits[0, -1], sampling, row.uniforms(prompt_len, 1))
+        first = sample_token(out.logits[0, -1], sampling, row.uniforms(prompt_len, 1), prompt_len)
         row.tokens.append(first)
         row.history.extend([*ids[0].tolist(), first])
         _sync(self.target.device)
@@ -476,7 +476,11 @@ class BatchDecoder:
         for i, row in enumerate(rows):
             drafts = block[i, 1:]
             accepted, emitted = verify_block(
-                out.logits[i], drafts, row.sampling, row.uniforms(row.anchor_position + 1, n)
+                out.logits[i],
+                drafts,
+                row.sampling,
+                row.uniforms(row.anchor_position + 1, n),
+                row.anchor_position + 1,
             )
             real = proposals[i].shape[0]
             own_accepted.append(min(accepted, real))

@@ -23,7 +23,11 @@ import torch
 
 
 class SamplingError(ValueError):
-    """Invalid sampling parameters."""
+    """Invalid sampling parameters, or target logits nothing can be sampled from."""
+
+
+# Below this temperature sampling is greedy decoding (as in vLLM): logits / T would overflow float32 into NaN.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -72,6 +76,20 @@ def position_uniforms(seed: int, start: int, count: int) -> torch.Tensor:
     )
 
 
+def check_finite(values: torch.Tensor, position: int | None) -> None:
+    """Refuse to pick a token from NaN / inf logits or probabilities (an fp16 overflow in the target, a broken
+    checkpoint): a draw from them would be garbage. [n, V] logits or probabilities; `position`: the output position
+    of row 0."""
+    # -inf is a legitimate logit (a masked token) as long as something is left; NaN and +inf never are.
+    bad = torch.isnan(values).any(-1) | torch.isposinf(values).any(-1) | torch.isneginf(values).all(-1)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        where = f"output position {position + row}" if position is not None else f"row {row} of the step"
+        raise SamplingError(
+            f"the target's logits at {where} are not finite (NaN or inf); no token can be drawn"
+        )
+
+
 def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """[n] tokens: for each row of `probs` [n, V], the first token whose cumulative probability exceeds u * total.
     A zero-probability token is never chosen (its cumulative sum equals its predecessor's)."""
@@ -80,11 +98,16 @@ def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
     return torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, uniform: torch.Tensor | None) -> int:
+def sample_token(
+    logits: torch.Tensor, params: SamplingParams, uniform: torch.Tensor | None, position: int | None = None
+) -> int:
     """One token from a [V] logit vector (`uniform`: a [1] tensor from `position_uniforms`; unused when greedy)."""
+    check_finite(logits[None], position)
     if params.greedy:
         return int(logits.argmax(-1))
-    return int(inverse_cdf_sample(target_probs(logits[None], params), uniform)[0])
+    probs = target_probs(logits[None], params)
+    check_finite(probs, position)
+    return int(inverse_cdf_sample(probs, uniform)[0])
 
 
 def verify_block(
@@ -92,19 +115,24 @@ def verify_block(
     draft_tokens: torch.Tensor,
     params: SamplingParams,
     uniforms: torch.Tensor | None,
+    position: int | None = None,
 ) -> tuple[int, list[int]]:
     """Accept the longest prefix of `draft_tokens` equal to the target's own tokens, and add the target's next one.
 
     logits:       [n + 1, V] target logits at the anchor and the n draft positions
     draft_tokens: [n] proposed tokens
     uniforms:     [n + 1] the uniforms of the n + 1 output positions these logits decide (sampling only)
+    position:     the output position of logits[0], for error messages
     Returns (number of accepted drafts a, emitted tokens = draft_tokens[:a] + [target token]).
     """
     n = draft_tokens.shape[0]
+    check_finite(logits, position)
     if params.greedy:
         target_tokens = logits.argmax(-1)
     else:
-        target_tokens = inverse_cdf_sample(target_probs(logits, params), uniforms)
+        probs = target_probs(logits, params)
+        check_finite(probs, position)
+        target_tokens = inverse_cdf_sample(probs, uniforms)
     matches = (target_tokens[:n] == draft_tokens.to(target_tokens.device)).int()
     a = int(matches.cumprod(0).sum())
     return a, target_tokens[: a + 1].tolist()

@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 from .engine import Engine, EngineRequest, QueueFullError, RequestHandle
 from .metrics import ServerMetrics
@@ -32,6 +33,16 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, e: APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_request: Request, e: HTTPException) -> JSONResponse:
+        """What the framework answers itself (an unknown path, a wrong method, a body it cannot parse, such as
+        JSON nested too deep) gets the same OpenAI error body as everything else."""
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        if e.status_code >= 500:
+            kind = "server_error"
+        body = APIError(e.status_code, str(e.detail), kind).body()
+        return JSONResponse(body, status_code=e.status_code, headers=getattr(e, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, e: RequestValidationError) -> JSONResponse:

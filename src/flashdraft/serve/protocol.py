@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class APIError(Exception):
@@ -18,6 +18,16 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": None}}
+
+
+def clean_text(value: Any) -> Any:
+    """Valid JSON may carry lone UTF-16 surrogates ("\\ud800") that no tokenizer can encode: each becomes U+FFFD,
+    as a UTF-8 decoder would make of them. Lists of strings are cleaned element by element."""
+    if isinstance(value, str):
+        return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    if isinstance(value, list):
+        return [clean_text(v) for v in value]
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -50,6 +60,8 @@ class _Sampling(BaseModel):
     logprobs: bool | int | None = None
     logit_bias: dict[str, float] | None = None
 
+    _clean_stop = field_validator("stop")(classmethod(lambda cls, v: clean_text(v)))
+
     def unsupported(self) -> str | None:
         if self.n != 1:
             return "n"
@@ -79,6 +91,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer"]
     content: str
 
+    _clean_content = field_validator("content")(classmethod(lambda cls, v: clean_text(v)))
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -92,6 +106,8 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: str | list[int]
     echo: bool = False
+
+    _clean_prompt = field_validator("prompt")(classmethod(lambda cls, v: clean_text(v)))
 
     @property
     def limit(self) -> int | None:
