@@ -231,7 +231,32 @@ def test_sigterm_drains_in_flight_requests_then_exits(models, tmp_path):
         ({"model": MODEL, "messages": MESSAGES, "temperature": 5}, 400, "temperature"),
         ({"model": MODEL, "messages": MESSAGES, "n": 2}, 400, "n is not supported"),
         ({"model": MODEL, "messages": MESSAGES, "max_tokens": 10_000}, 400, "exceeds the model's context"),
-        ({"model": MODEL, "messages": MESSAGES, "tools": []}, 400, "tools"),
+        (
+            {
+                "model": MODEL,
+                "messages": MESSAGES,
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+            },
+            400,
+            "tools",
+        ),  # fmt: skip
+        (
+            {"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_object"}},
+            400,
+            "response_format",
+        ),
+        ({"model": MODEL, "messages": MESSAGES, "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+        ({"model": MODEL, "messages": MESSAGES, "min_p": 0.1}, 400, "min_p"),
+        ({"model": MODEL, "messages": MESSAGES, "ignore_eos": True}, 400, "ignore_eos"),
+        ({"model": MODEL, "messages": MESSAGES, "logit_bias": {"5": 10}}, 400, "logit_bias"),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            },
+            400,
+            "image_url",
+        ),  # fmt: skip
         ({"model": MODEL, "messages": []}, 400, "messages"),
         ({"model": MODEL, "messages": MESSAGES, "stop": [10_000]}, 400, "stop token ids"),
         ("[" * 50_000 + "]" * 50_000, 400, ""),  # nested too deep to parse: still the OpenAI error body
@@ -334,3 +359,78 @@ def test_a_lone_surrogate_is_answered_not_a_500(server):
                    headers={"content-type": "application/json"}, timeout=30)  # fmt: skip
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] is not None
+
+
+def test_content_part_arrays_are_joined_text(server):
+    """OpenAI's other form of a message: an array of text parts (many SDKs and UIs send it)."""
+    _, _, text = expected(server)
+    parts = [{"type": "text", "text": "w7 w9 "}, {"type": "text", "text": "w11 w3 w20"}]
+    out = server["client"].chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": parts}], max_tokens=24, temperature=0
+    )
+    assert out.choices[0].message.content == text
+
+
+def test_zlab_benchmark_request_body_is_answered_with_meta_info(server):
+    """The body z-lab's `python -m dflash.benchmark --backend openai` sends (dflash 0.1.0, `send_openai`), replayed:
+    `chat_template_kwargs` reaches the template, and SGLang's `meta_info` carries what the harness reads τ from."""
+    ids, res, text = expected(server)
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "max_tokens": 24,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "return_meta_info": True,
+    }
+    r = httpx.post(f"{server['base']}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["choices"][0]["message"]["content"] == text
+    meta = out["meta_info"]
+    assert meta["completion_tokens"] == out["usage"]["completion_tokens"] == res.num_new_tokens
+    assert meta["spec_verify_ct"] == res.num_steps > 0
+    assert meta["spec_accept_length"] == pytest.approx(res.mean_acceptance_length)
+    assert sum(n * c for n, c in enumerate(meta["spec_accept_histogram"])) == res.num_new_tokens - 1
+
+
+def test_chat_template_kwargs_reach_the_template(server):
+    target = server["target"]
+    tok = target.tokenizer
+    saved = tok.chat_template
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if extra %}w30 {% endif %}w5"
+    )
+    try:
+        plain = target.encode_prompt(MESSAGES)[0].tolist()
+        extra = target.encode_prompt(MESSAGES, template_kwargs={"extra": True})[0].tolist()
+        assert extra == plain[:-1] + [30, 5]
+        r = httpx.post(f"{server['base']}/tokenize", timeout=10,
+                       json={"model": MODEL, "messages": MESSAGES, "chat_template_kwargs": {"extra": True}})  # fmt: skip
+        assert r.json()["tokens"] == extra
+    finally:
+        tok.chat_template = saved
+
+
+def test_an_unknown_harmless_field_is_ignored_with_a_warning(server, caplog):
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "temperature": 0, "skip_special_tokens": True,
+            "some_client_field": {"x": 1}}  # fmt: skip
+    with caplog.at_level("WARNING", logger="flashdraft.serve.app"):
+        r = httpx.post(f"{server['base']}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-flashdraft-ignored-fields"] == "skip_special_tokens,some_client_field"
+    assert any("some_client_field" in rec.getMessage() for rec in caplog.records)
+
+
+def test_tokenize_detokenize_and_version(server):
+    base = server["base"]
+    r = httpx.post(f"{base}/tokenize", json={"model": MODEL, "prompt": "w7 w9 w11"}, timeout=10).json()
+    assert (
+        r["tokens"] == [7, 9, 11] and r["count"] == 3 and r["max_model_len"] == server["target"].max_context
+    )
+    assert httpx.post(f"{base}/detokenize", json={"model": MODEL, "tokens": [7, 9]}, timeout=10).json() == {
+        "prompt": "w7 w9"
+    }
+    assert httpx.post(f"{base}/detokenize", json={"tokens": [10**6]}, timeout=10).status_code == 400
+    assert httpx.get(f"{base}/version", timeout=10).json()["version"]

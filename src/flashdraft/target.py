@@ -355,8 +355,10 @@ class Target:
         chat: bool = True,
         enable_thinking: bool | None = None,
         system: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> torch.Tensor:
-        """Token ids [1, n] for a prompt, through the chat template when the tokenizer has one."""
+        """Token ids [1, n] for a prompt, through the chat template when the tokenizer has one (`template_kwargs`:
+        extra variables for the template, as `chat_template_kwargs` in the OpenAI-compatible servers)."""
         if self.tokenizer is None:
             raise TargetError("this target has no tokenizer; pass token ids instead of text")
         tok = self.tokenizer
@@ -364,7 +366,11 @@ class Target:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
             if system is not None:
                 messages = [{"role": "system", "content": system}, *messages]
-            kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+            kwargs = dict(template_kwargs or {})
+            if enable_thinking is not None:
+                kwargs["enable_thinking"] = enable_thinking
+            for reserved in ("conversation", "add_generation_prompt", "tokenize", "return_dict"):
+                kwargs.pop(reserved, None)
             ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,7 +22,10 @@ from starlette.exceptions import HTTPException
 
 from .engine import Engine, EngineRequest, QueueFullError, RequestHandle
 from .metrics import ServerMetrics
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+
+log = logging.getLogger(__name__)
+IGNORED_HEADER = "x-flashdraft-ignored-fields"
 
 
 def build_app(engine: Engine, model_name: str) -> FastAPI:
@@ -56,6 +60,31 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
             )
         return JSONResponse(APIError(400, message, param=where or None).body(), status_code=400)
 
+    @app.get("/version")
+    async def version() -> dict[str, Any]:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as package_version
+
+        try:
+            return {"version": package_version("flashdraft")}
+        except PackageNotFoundError:
+            return {"version": "unknown"}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        if body.messages is not None:
+            messages = [{"role": _role(m.role), "content": m.content} for m in body.messages]
+            ids = target.encode_prompt(messages, template_kwargs=body.chat_template_kwargs)[0].tolist()
+        else:
+            ids = target.encode_prompt(body.prompt or "", chat=False)[0].tolist() if body.prompt else []
+        return {"count": len(ids), "max_model_len": target.max_context, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        if any(not 0 <= i < target.vocab_size for i in body.tokens):
+            raise APIError(400, f"token ids must lie in 0..{target.vocab_size - 1}", param="tokens")
+        return {"prompt": target.tokenizer.decode(body.tokens)}
+
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "waiting": engine.waiting, "running": engine.running}
@@ -75,6 +104,9 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
         )
 
     def check(body: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int]) -> EngineRequest:
+        ignored = body.ignored_fields()
+        if ignored:
+            log.warning("ignoring request fields this server does not use: %s", ", ".join(ignored))
         if body.model != model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}",
                            "not_found_error", "model")  # fmt: skip
@@ -115,6 +147,8 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
         final: Any,
     ) -> Response:
         request = check(body, prompt_ids)
+        ignored = body.ignored_fields()
+        headers = {IGNORED_HEADER: ",".join(ignored)} if ignored else None
         try:
             handle = engine.submit(request, asyncio.get_running_loop())
         except QueueFullError as e:
@@ -127,7 +161,7 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
             return StreamingResponse(
                 _sse(handle, rid, chunk, final, include_usage, lambda info: metrics.observe(
                     endpoint, 200, info, time.perf_counter() - t0)),
-                media_type="text/event-stream",
+                media_type="text/event-stream", headers=headers,
             )  # fmt: skip
         pieces: list[str] = []
         try:
@@ -140,17 +174,17 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
                     raise APIError(500, value, "server_error")
                 else:
                     metrics.observe(endpoint, 200, value, time.perf_counter() - t0)
-                    return JSONResponse(final(rid, "".join(pieces), value))
+                    response = final(rid, "".join(pieces), value)
+                    if body.return_meta_info:
+                        response["meta_info"] = _meta_info(rid, value)
+                    return JSONResponse(response, headers=headers)
         finally:
             handle.cancel()  # no-op when finished; frees the place when the client went away
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest) -> Response:
-        messages = [
-            {"role": m.role if m.role != "developer" else "system", "content": m.content}
-            for m in body.messages
-        ]
-        prompt_ids = target.encode_prompt(messages)[0].tolist()
+        messages = [{"role": _role(m.role), "content": m.content} for m in body.messages]
+        prompt_ids = target.encode_prompt(messages, template_kwargs=body.chat_template_kwargs)[0].tolist()
 
         def chunk(rid: str, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
             return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model_name,
@@ -201,6 +235,27 @@ def _token_ids(body: Any, prompt_ids: list[int], info: dict[str, Any]) -> dict[s
     if not body.return_token_ids:
         return {}
     return {"prompt_token_ids": prompt_ids, "token_ids": info["result"].new_tokens}
+
+
+def _role(role: str) -> str:
+    return "system" if role == "developer" else role
+
+
+def _meta_info(rid: str, info: dict[str, Any]) -> dict[str, Any]:
+    """SGLang's `meta_info` (what z-lab's benchmark harness reads τ from): verify forwards of the decode phase and
+    tokens per verify forward, bonus token included, with the histogram of tokens per step."""
+    result = info["result"]
+    steps = result.num_steps
+    return {
+        "id": rid,
+        "prompt_tokens": info["prompt_tokens"],
+        "completion_tokens": info["completion_tokens"],
+        "spec_verify_ct": steps,
+        "spec_accept_length": result.mean_acceptance_length if steps else 1.0,
+        "spec_accept_histogram": [
+            result.acceptance_lengths.count(n) for n in range(max(result.acceptance_lengths, default=0) + 1)
+        ],
+    }
 
 
 def _usage(info: dict[str, Any]) -> dict[str, int]:

@@ -35,10 +35,37 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
-    """Fields shared by both endpoints. Unknown fields are refused (400), never silently ignored."""
+# Fields other servers take that would change the answer, refused (400) unless at their no-op value; any other field
+# this server does not know cannot change the answer and is ignored with a warning (logged and named in the
+# `x-flashdraft-ignored-fields` response header), as vLLM does.
+REFUSED_UNLESS = {
+    "tools": lambda v: not v,
+    "functions": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none"),
+    "function_call": lambda v: v in (None, "none"),
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type", "text") == "text"),
+    "top_logprobs": lambda v: not v,
+    "prompt_logprobs": lambda v: not v,
+    "best_of": lambda v: v in (None, 1),
+    "repetition_penalty": lambda v: v in (None, 1, 1.0),
+    "min_p": lambda v: not v,
+    "min_tokens": lambda v: not v,
+    "ignore_eos": lambda v: not v,
+    "logits_processors": lambda v: not v,
+    "guided_json": lambda v: v is None,
+    "guided_regex": lambda v: v is None,
+    "guided_choice": lambda v: v is None,
+    "guided_grammar": lambda v: v is None,
+    "structured_outputs": lambda v: v is None,
+    "suffix": lambda v: not v,
+}
 
-    model_config = ConfigDict(extra="forbid")
+
+class _Sampling(BaseModel):
+    """Fields shared by both endpoints. Unknown fields are kept in `model_extra`: refused when they would change the
+    answer (`REFUSED_UNLESS`), else ignored with a warning (`ignored_fields`)."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -54,6 +81,10 @@ class _Sampling(BaseModel):
     # Extension (vLLM's name): the prompt's and the answer's token ids in each choice, so a client that trains on
     # the answers (`flashdraft data regenerate --backend openai`) never re-tokenises text.
     return_token_ids: bool = False
+    # SGLang's flag (z-lab's benchmark harness sends it): a `meta_info` object with the speculative statistics.
+    return_meta_info: bool = False
+    # Passed to the chat template (e.g. {"enable_thinking": false} for templates that have it).
+    chat_template_kwargs: dict[str, Any] | None = None
     # Accepted only at their no-op values (clients send them by default); anything else is refused.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -62,7 +93,14 @@ class _Sampling(BaseModel):
 
     _clean_stop = field_validator("stop")(classmethod(lambda cls, v: clean_text(v)))
 
+    def ignored_fields(self) -> list[str]:
+        """Fields this server does not know and that cannot change the answer."""
+        return sorted(k for k in (self.model_extra or {}) if k not in REFUSED_UNLESS)
+
     def unsupported(self) -> str | None:
+        for name, value in (self.model_extra or {}).items():
+            if name in REFUSED_UNLESS and not REFUSED_UNLESS[name](value):
+                return name
         if self.n != 1:
             return "n"
         if self.presence_penalty or self.frequency_penalty:
@@ -86,12 +124,28 @@ class _Sampling(BaseModel):
         return [str(s) for s in stop], []
 
 
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer"]
-    content: str
+    content: str | list[ContentPart]
 
-    _clean_content = field_validator("content")(classmethod(lambda cls, v: clean_text(v)))
+    @field_validator("content")
+    @classmethod
+    def _text(cls, value: str | list[ContentPart]) -> str:
+        """A string, or an array of content parts (OpenAI's other form): text parts are joined; anything else
+        (images, audio, files) is refused, since the target reads text only."""
+        if isinstance(value, list):
+            other = sorted({p.type for p in value if p.type != "text"})
+            if other:
+                raise ValueError(f"content parts of type {', '.join(other)} are not supported (text only)")
+            value = "".join(p.text or "" for p in value)
+        return clean_text(value)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -112,3 +166,23 @@ class CompletionRequest(_Sampling):
     @property
     def limit(self) -> int | None:
         return self.max_tokens or 16  # OpenAI's default for completions
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt (plain text) or chat messages (through the chat template)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    _clean_prompt = field_validator("prompt")(classmethod(lambda cls, v: clean_text(v)))
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize: token ids to text."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
