@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	@echo "==> installing $(TORCH_SPEC) and flashdraft with its dependencies into $(VENV) (1-3 minutes the first time)"
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install --progress-bar off "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --progress-bar off -e ".[test,serve]"
+	$(BIN)/python -m pip install --progress-bar off -e ".[test,all]"
 	touch $(STAMP)
 	@echo "==> installed: the CLI is $(BIN)/flashdraft"
 
@@ -34,7 +34,7 @@ test-compat:
 	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
 	$(COMPAT_VENV)/bin/python -m pip install -q --upgrade pip
 	$(COMPAT_VENV)/bin/python -m pip install --progress-bar off "$(TORCH_SPEC)" "transformers==4.57.1"
-	$(COMPAT_VENV)/bin/python -m pip install --progress-bar off -e ".[test]"
+	$(COMPAT_VENV)/bin/python -m pip install --progress-bar off -e ".[test,all]"
 	$(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_model.py tests/test_generate.py \
 		tests/test_train.py tests/test_batch.py -k "not ddp and not short_cpu"
 

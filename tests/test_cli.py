@@ -167,3 +167,28 @@ def test_progress_is_rate_limited_when_not_a_terminal():
             bar.advance(task)
     lines = buf.getvalue().strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith("train: 0/1000") and lines[1].startswith("train: 999/1000")
+
+
+@pytest.mark.parametrize(
+    ("command", "module", "extra"),
+    [
+        (["serve", "--target", "x"], "uvicorn", "serve"),
+        (["models", "fetch", "smollm2-135m-instruct", "--force"], "gguf", "packs"),
+    ],
+)
+def test_a_missing_extra_is_one_line_naming_the_install(monkeypatch, tmp_path, command, module, extra):
+    """The core install has no serving, pack or plotting packages: using them says what to install."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a)
+    )
+    monkeypatch.setenv("FLASHDRAFT_HOME", str(tmp_path))
+    result = CliRunner().invoke(app, command)
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2, result.output
+    assert (
+        lines[-1] == f"error: this needs {module}, which is not installed: pip install 'flashdraft[{extra}]'"
+    )
+    assert "Traceback" not in result.output

@@ -34,6 +34,10 @@ def serve_command(
     """Serve the target (with DFlash when --draft is given) behind an OpenAI-compatible API: up to
     --max-batch-size requests decode together (continuous batching), the others wait in a bounded queue."""
     import torch
+
+    from ..errors import require_extra
+
+    require_extra("serve", "fastapi", "uvicorn", "prometheus_client")
     import uvicorn
 
     from ..generate import GenerationError
