@@ -1,0 +1,157 @@
+"""Property-based tests (Hypothesis): whatever the sampling parameters, seeds, prompts or request bodies, the answer
+is either one clear error or exactly what plain decoding gives, and the server never answers with a 5xx.
+
+Bounded (a few dozen examples each, no deadline) so the suite stays within a few minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from conftest import VOCAB, tiny_model  # noqa: E402
+from flashdraft import DFlashDraftModel, GenerationError, Target, generate, generate_ar  # noqa: E402
+from flashdraft.sampling import SamplingError, SamplingParams, target_probs  # noqa: E402
+
+SETTINGS = settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    model = tiny_model("llama", seed=5, layers=2)
+    draft = DFlashDraftModel.for_target(
+        model.config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1
+    ).eval()
+    return model, Target(model), draft
+
+
+temperatures = st.one_of(
+    st.just(0.0),
+    st.floats(min_value=0.0, max_value=1e-30, allow_subnormal=True),  # subnormals and vanishing temperatures
+    st.floats(min_value=0.0, max_value=2.0),
+)
+top_ps = st.one_of(
+    st.floats(min_value=1e-9, max_value=1e-3), st.floats(min_value=0.999, max_value=1.0), st.floats(0.01, 1.0)
+)
+top_ks = st.one_of(st.integers(0, 3), st.integers(0, 10**12))
+seeds = st.integers(-(2**70), 2**70)
+prompts = st.lists(st.integers(3, VOCAB - 2), min_size=1, max_size=12)
+
+
+@SETTINGS
+@given(temperature=temperatures, top_p=top_ps, top_k=top_ks, seed=seeds, prompt=prompts)
+def test_any_sampling_parameters_give_plain_decoding_with_that_seed(
+    pair, temperature, top_p, top_k, seed, prompt
+):
+    model, target, draft = pair
+    kw = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop_token_ids=[])
+    plain = generate_ar(target, prompt, 6, **kw).new_tokens
+    assert generate(target, draft, prompt, 6, block_size=4, **kw).new_tokens == plain
+    # Every token had nonzero probability under the processed target distribution (greedy: it is the argmax).
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + plain])).logits[0, len(prompt) - 1 : -1]
+    params = SamplingParams(temperature, top_p, top_k)
+    if params.greedy:
+        assert plain == logits.argmax(-1).tolist()
+    else:
+        probs = target_probs(logits, params)
+        assert all(float(probs[i, t]) > 0 for i, t in enumerate(plain))
+
+
+@SETTINGS
+@given(
+    prompt=st.lists(st.integers(-5, VOCAB + 5), min_size=0, max_size=6),
+    temperature=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.just(-1.0)),
+    top_p=st.floats(allow_nan=True, allow_infinity=True),
+    top_k=st.integers(-3, 3),
+    max_new=st.integers(-2, 4),
+)
+def test_bad_requests_are_one_clear_error(pair, prompt, temperature, top_p, top_k, max_new):
+    _, target, draft = pair
+    try:
+        out = generate(target, draft, prompt, max_new, temperature, top_p, top_k, block_size=4, seed=0)
+    except (GenerationError, SamplingError) as e:
+        assert str(e) and "\n" not in str(e)
+        return
+    assert len(out.new_tokens) <= max_new and all(0 <= t < target.vocab_size for t in out.new_tokens)
+
+
+def test_a_prompt_at_the_context_limit(pair):
+    _, target, draft = pair
+    limit = target.max_context
+    prompt = [5] * (limit - 2)
+    assert generate(target, draft, prompt, 2, block_size=4).num_new_tokens <= 2
+    with pytest.raises(GenerationError, match="exceeds the target's context"):
+        generate(target, draft, prompt, 3, block_size=4)
+
+
+# ------------------------------------------------------------------------------------------------ request bodies
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
+FIELDS = ["model", "messages", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream",
+          "stream_options", "presence_penalty", "logprobs", "logit_bias", "return_token_ids", "chat_template_kwargs",
+          "return_meta_info", "tools", "response_format", "echo"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def client():
+    from fastapi.testclient import TestClient
+
+    from flashdraft.serve import Engine, build_app
+    from test_serve import tiny_tokenizer
+
+    model = tiny_model("llama", seed=5, layers=2)
+    target = Target(model, tiny_tokenizer(), name="tiny")
+    draft = DFlashDraftModel.for_target(
+        model.config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1
+    ).eval()
+    engine = Engine(target, draft, block_size=4, max_queue=8)
+    with TestClient(build_app(engine, "tiny"), raise_server_exceptions=False) as c:
+        yield c
+    engine.close()
+
+
+GOOD = {
+    "model": "tiny",
+    "messages": [{"role": "user", "content": "w7 w9"}],
+    "max_tokens": 6,
+    "temperature": 0,
+}
+
+
+@SETTINGS
+@given(
+    endpoint=st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
+    body=st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=6),
+    keep=st.sets(st.sampled_from(["model", "messages", "prompt"])),
+)
+def test_random_request_bodies_never_get_a_5xx(client, endpoint, body, keep):
+    base = {"model": "tiny", "messages": [{"role": "user", "content": "w7"}], "prompt": "w7", "max_tokens": 4}
+    body = {**{k: base[k] for k in keep}, **body}
+    r = client.post(endpoint, content=json.dumps(body), headers={"content-type": "application/json"})
+    assert r.status_code < 500, (body, r.text)
+    if r.status_code >= 400:
+        error = r.json()["error"]
+        assert error["message"] and error["type"]
+
+
+def test_the_server_answers_the_same_after_random_bodies(client):
+    first = client.post("/v1/chat/completions", json=GOOD).json()["choices"][0]["message"]["content"]
+    for bad in ({"model": "tiny"}, {"messages": 5}, {"model": "tiny", "messages": [], "n": 3}, [1, 2], "x"):
+        assert client.post("/v1/chat/completions", json=bad).status_code == 400
+    assert client.post("/v1/chat/completions", json=GOOD).json()["choices"][0]["message"]["content"] == first
