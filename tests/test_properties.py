@@ -155,3 +155,64 @@ def test_the_server_answers_the_same_after_random_bodies(client):
     for bad in ({"model": "tiny"}, {"messages": 5}, {"model": "tiny", "messages": [], "n": 3}, [1, 2], "x"):
         assert client.post("/v1/chat/completions", json=bad).status_code == 400
     assert client.post("/v1/chat/completions", json=GOOD).json()["choices"][0]["message"]["content"] == first
+
+
+# ------------------------------------------------------------------------------------------------ the command line
+def _numeric_options():
+    """(command path, option) for every int / float option of every command, found in the CLI itself."""
+    import typer
+
+    from flashdraft.cli import app
+
+    found = []
+
+    def walk(command, path):
+        for name, sub in sorted(getattr(command, "commands", {}).items()):
+            walk(sub, [*path, name])
+        for param in command.params:
+            if param.param_type_name == "option" and param.opts and _numeric(param):
+                found.append((tuple(path), param.opts[0]))
+
+    walk(typer.main.get_command(app), [])
+    return found
+
+
+def _numeric(param) -> bool:
+    """An int or float option (click's param type; typer's own copy of click describes it by annotation)."""
+    import typing
+
+    if getattr(getattr(param, "type", None), "name", None) in ("integer", "float"):
+        return True
+    annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+    kinds = set(typing.get_args(annotation)) or {annotation}
+    return bool(kinds & {int, float}) and not kinds & {bool, str}
+
+
+NUMERIC_OPTIONS = _numeric_options()
+
+
+def _not_a_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize(
+    ("path", "option"), NUMERIC_OPTIONS, ids=[" ".join((*p, o)) for p, o in NUMERIC_OPTIONS]
+)
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(value=st.text(min_size=1, max_size=6).filter(_not_a_number))
+def test_every_numeric_option_given_garbage_is_one_line_and_status_2(
+    path, option, value, capsys, monkeypatch
+):
+    from flashdraft.cli import main
+
+    monkeypatch.setattr("sys.argv", ["flashdraft", *path, f"{option}={value}"])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    out = capsys.readouterr()
+    lines = [line for line in (out.out + out.err).splitlines() if line.strip()]
+    assert exit_info.value.code == 2, (path, option, value, lines)
+    assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in lines[0], lines

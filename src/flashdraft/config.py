@@ -76,10 +76,8 @@ def build_target_layer_ids(num_target_layers: int, num_features: int) -> list[in
     if num_features == 1:
         return [num_target_layers // 2]
     start, end = 1, num_target_layers - 3
-    if (
-        end < start
-    ):  # a target of 3 layers or fewer: spread over all of them (z-lab's rule would tap layer -1)
-        start, end = 0, num_target_layers - 1
+    if end < start:  # 3 layers or fewer (z-lab's rule would tap layer -1): all but the last
+        start, end = 0, max(0, num_target_layers - 2)
     span = end - start
     return [int(round(start + (i * span) / (num_features - 1))) for i in range(num_features)]
 

@@ -50,7 +50,7 @@ def _find_decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
 
 def _find_final_norm(model: nn.Module) -> nn.Module | None:
     base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
-    for attr in ("norm", "final_layernorm", "ln_f", "final_norm"):
+    for attr in ("norm", "final_layernorm", "ln_f", "final_norm", "norm_f"):
         if isinstance(getattr(base, attr, None), nn.Module):
             return getattr(base, attr)
     return None

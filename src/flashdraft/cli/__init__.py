@@ -53,15 +53,29 @@ def _root(
     quiet_libraries(verbose)
 
 
+# click's (or typer's own copy of click's) usage error: the base of every malformed-command-line error.
+_UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+
+
 def main() -> None:
     try:
-        app()
+        code = app(standalone_mode=False)
     except user_errors() as e:
         print_error(e)
         sys.exit(2)
-    except KeyboardInterrupt:
+    except (
+        _UsageError
+    ) as e:  # a malformed option (not a number, unknown, missing): one line, as any bad input
+        if type(e).__name__ == "NoArgsIsHelpError" and e.ctx is not None:  # a bare command: its help
+            typer.echo(e.ctx.get_help())
+            sys.exit(2)
+        where = f"{e.ctx.command_path}: " if e.ctx is not None else ""
+        print_error(f"{where}{e.format_message()} (see --help)")
+        sys.exit(2)
+    except (KeyboardInterrupt, typer.Abort):
         console.print("[yellow]interrupted[/]")
         sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 __all__ = ["app", "main", "one_line_errors"]
