@@ -280,15 +280,6 @@ class RecurrentRollback:
         self._block = 0
         self._replaying = False
         self.stepwise = False
-        self.replayed_tokens = 0  # for the record: tokens the mixers ran again
-
-    def missing_mixers(self, config: Any) -> list[int]:
-        """Recurrent cache layers of this config with no mixer that can be replayed."""
-        return [
-            i
-            for i, layer in enumerate(cache_layers(config))
-            if is_recurrent_layer(layer) and i not in self.mixers
-        ]
 
     @contextmanager
     def recording(self, cache: Any, block: int):
@@ -401,7 +392,6 @@ class RecurrentRollback:
                         }
                         kwargs = arguments.pop("kwargs", {}) or {}
                         mixer(**arguments, **kwargs)
-                        self.replayed_tokens += k * len(rows)
                     for s, t in replay.conv.items():
                         layer.conv_states[s][idx] = t.to(layer.conv_states[s].dtype)
                     for s, t in replay.recurrent.items():
