@@ -60,14 +60,14 @@ def test_ragged_acceptance_equals_decoding_alone(models, arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
-@pytest.mark.parametrize("mode", ["auto-shared", "auto-per-sequence", "fixed"])
+@pytest.mark.parametrize("mode", ["auto", "fixed"])
 def test_dflash_batch_greedy_equals_alone(models, arch, mode):
     model = models[arch]
     target = Target(model)
     draft = drafter(model)
     prompts = random_prompts(4, seed=11)
-    block, policy = ("auto", mode.removeprefix("auto-")) if mode.startswith("auto") else (5, "shared")
-    got = generate_batch(target, draft, prompts, 24, stop_token_ids=[], block_size=block, policy=policy)
+    block = "auto" if mode == "auto" else 5
+    got = generate_batch(target, draft, prompts, 24, stop_token_ids=[], block_size=block)
     for g, p in zip(got, prompts, strict=True):
         assert g.new_tokens == generate_ar(target, p, 24, stop_token_ids=[]).new_tokens
         if mode == "fixed":  # B-1 drafts every step, fewer only where max_new_tokens is near
@@ -188,8 +188,6 @@ def test_bad_batches_are_clear_errors(models):
         generate_batch(target, None, [[3, 4], [5] * 250], max_new_tokens=10)
     with pytest.raises(GenerationError, match="block_size must be between 1"):
         generate_batch(target, drafter(models["llama"]), [[3, 4]], 4, block_size=9)
-    with pytest.raises(GenerationError, match="policy"):
-        generate_batch(target, drafter(models["llama"]), [[3, 4]], 4, policy="greedy")
     with pytest.raises(GenerationError, match="generate_batch"):
         generate(target, drafter(models["llama"]), [[3, 4], [5, 6]])
     assert generate_batch(target, None, []) == []

@@ -10,7 +10,7 @@ from flashdraft import DFlashDraftModel, Target, generate, generate_ar
 from flashdraft.costs import CostModel
 from flashdraft.measure import measure_costs
 from flashdraft.policy import AcceptanceTable, best_verify_length, expected_tokens
-from flashdraft.proposers import AdaptiveProposer, prompt_lookup
+from flashdraft.proposers import BatchedDFlashProposer, prompt_lookup
 
 
 def cpu_like_costs(block: int = 8, draft_s: float = 0.2) -> CostModel:
@@ -68,19 +68,20 @@ def tiny(models):
     return Target(model), draft.eval()
 
 
-def scripted(target, draft, costs, confidence: float, truth: list[int] | None = None) -> AdaptiveProposer:
-    """The adaptive proposer without prompt lookup, its drafter reporting `confidence` for every slot (and
-    proposing the tokens of `truth`, the whole greedy sequence, when given)."""
-    proposer = AdaptiveProposer(draft, target, costs, lookup=False)
-    real = proposer.dflash.draft_confidences
+def scripted(target, draft, costs, confidence: float, truth: list[int] | None = None) -> BatchedDFlashProposer:
+    """The cost-aware proposer without prompt lookup and priced by `costs` alone, its drafter reporting `confidence`
+    for every slot (and proposing the tokens of `truth`, the whole greedy sequence, when given)."""
+    proposer = BatchedDFlashProposer(draft, target, costs, lookup=False, online_costs=False)
+    real = proposer.draft_rows
 
-    def fake(anchor, position, n):
-        tokens, _ = real(anchor, position, n)
+    def fake(rows):
+        tokens, probs = real(rows)
+        n = tokens.shape[1]
         if truth is not None:
-            tokens = torch.tensor((truth[position + 1 :] + [0] * n)[:n])
-        return tokens, torch.full((n,), confidence)
+            tokens = torch.tensor([(truth[row.anchor_position + 1 :] + [0] * n)[:n] for row in rows])
+        return tokens, torch.full_like(probs, confidence)
 
-    proposer.dflash.draft_confidences = fake
+    proposer.draft_rows = fake
     return proposer
 
 
@@ -122,12 +123,26 @@ def test_measured_costs_are_positive_and_cover_the_block(tiny):
 
 
 def test_noisy_costs_never_extrapolate_to_cheaper_or_negative():
-    """Noisy measurements (a busy machine) where 32 tokens timed faster than 8: extrapolating past 32 keeps at
-    least the last measurement, and nothing is priced at or below zero."""
+    """Noisy measurements (a busy machine) where 32 tokens timed faster than 8: the prices are the least-squares
+    non-decreasing fit (8 and 32 pooled at their mean), extrapolation past 32 keeps at least the last price, and
+    nothing is priced at or below zero."""
     noisy = CostModel(lengths=[1, 8, 32], verify_base=[0.010, 0.020, 0.004], verify_slope=[0.0, 0.0, -0.001])
     assert all(float(noisy.verify_s(n, 100)) > 0 for n in (1, 4, 8, 16, 32, 64, 256))
-    at_32, at_256 = float(noisy.verify_s(32, 0)), float(noisy.verify_s(256, 0))
-    assert abs(at_32 - 0.004) < 1e-6 and at_256 >= at_32 - 1e-9
+    at_8, at_32, at_256 = (float(noisy.verify_s(n, 0)) for n in (8, 32, 256))
+    assert at_8 == pytest.approx(0.012) and at_32 == pytest.approx(0.012) and at_256 >= at_32 - 1e-9
+
+
+def test_verify_prices_never_fall_with_length():
+    """A dip in the measured curve (4 tokens timed slower than 8, as on a busy CPU) is pooled with its neighbours;
+    the prices are non-decreasing in n and keep the measured mean of the pooled lengths."""
+    lengths = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16]
+    base = [1.00, 1.61, 1.95, 2.12, 1.61, 1.60, 1.49, 1.72, 1.61, 1.76]
+    costs = CostModel(lengths=lengths, verify_base=base, verify_slope=[0.0] * len(lengths))
+    prices = [float(costs.verify_s(n, 0)) for n in lengths]
+    assert all(a <= b + 1e-6 for a, b in zip(prices, prices[1:]))
+    assert sum(prices) == pytest.approx(sum(base), rel=1e-5)  # pooling keeps the mean
+    assert prices[0] == pytest.approx(1.0) and prices[1] == pytest.approx(1.61)
+    assert prices[2] == pytest.approx(prices[8]) and prices[9] == pytest.approx(1.76)
 
 
 def test_the_drafter_is_probed_before_lookup_can_win(tiny):
@@ -136,5 +151,5 @@ def test_the_drafter_is_probed_before_lookup_can_win(tiny):
     target, draft = tiny
     free = CostModel(lengths=[1, 8], verify_base=[1.0, 1.0], verify_slope=[0.0, 0.0], draft_base=0.01)
     repetitive = torch.tensor([[5, 6, 7, 8] * 5])  # prompt lookup matches from the first step on
-    res = generate(target, AdaptiveProposer(draft, target, free), repetitive, 12, stop_token_ids=[])
+    res = generate(target, BatchedDFlashProposer(draft, target, free), repetitive, 12, stop_token_ids=[])
     assert res.proposer_stats["steps_by_source"]["dflash"] >= 1

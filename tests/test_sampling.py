@@ -255,8 +255,7 @@ def test_non_finite_logits_raise_instead_of_drawing_garbage(temperature):
 N_BATCHED = 8_000
 
 
-@pytest.mark.parametrize("policy", ["shared", "per-sequence"])
-def test_batched_sampling_is_lossless_with_rows_joining_and_leaving(small_target, policy):
+def test_batched_sampling_is_lossless_with_rows_joining_and_leaving(small_target):
     """The joint law of the first three tokens, sampled in batches: rows of this prompt share every step with rows
     of other lengths (which finish at other times), and rows join as others leave (continuous batching, at most 12
     at once). Significance level: p > 1e-3 (as above) over 8,000 samples, and total variation < 0.05."""
@@ -282,7 +281,7 @@ def test_batched_sampling_is_lossless_with_rows_joining_and_leaving(small_target
             seeds.append(start + j)
         results = generate_batch(
             target, draft, prompts, limits, params.temperature, params.top_p, params.top_k, stop_token_ids=[],
-            block_size="auto", seed=seeds, costs=costs, policy=policy, max_batch_size=12,
+            block_size="auto", seed=seeds, costs=costs, max_batch_size=12,
         )  # fmt: skip
         for i in ours:
             samples[tuple(results[i].new_tokens)] += 1

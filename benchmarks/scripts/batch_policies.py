@@ -1,4 +1,4 @@
-"""Batched decoding on a real model: plain batches vs DFlash with a shared verify length vs per-sequence lengths.
+"""Batched decoding on a real model: plain batches vs DFlash with the cost-aware policy vs a fixed verify length.
 
     python benchmarks/scripts/batch_policies.py --target smollm2-135m-instruct --draft drafters/smollm2-135m-instruct
 
@@ -37,8 +37,7 @@ def main() -> None:
     prompts = [target.encode_prompt(c.user_turns[0])[0].tolist() for c in data.conversations][: max(sizes)]
     methods = {
         "plain": dict(draft=None),
-        "dflash shared": dict(draft=draft, policy="shared"),
-        "dflash per-sequence": dict(draft=draft, policy="per-sequence"),
+        "dflash auto": dict(draft=draft),
         "dflash fixed B=16": dict(draft=draft, block_size=16),
     }
     print(

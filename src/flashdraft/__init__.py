@@ -1,7 +1,7 @@
 """flashdraft: DFlash block-diffusion speculative decoding for any Hugging Face decoder-only model."""
 
 from .config import DFlashConfig, DFlashConfigError, build_target_layer_ids
-from .generate import GenerationError, GenerationResult, generate, generate_ar
+from .generate import GenerationError, GenerationResult, generate, generate_ar, generate_batch
 from .model import DFlashCheckpointError, DFlashDraftModel, DraftContextCache
 from .proposers import DFlashProposer, NoProposer, Proposer
 from .sampling import SamplingError, SamplingParams
@@ -28,5 +28,6 @@ __all__ = [
     "build_target_layer_ids",
     "generate",
     "generate_ar",
+    "generate_batch",
     "load_target",
 ]

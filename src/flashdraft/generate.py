@@ -3,12 +3,12 @@
 All three run the one decode engine (engine.py: prefill -> [propose -> verify -> accept -> roll back]*), one row or
 many, behind the one proposer interface (proposers.py); they differ only in the proposer they hand it:
 
-    generate(draft)           a DFlash drafter: the per-sequence cost-aware policy (`block_size="auto"`) or a fixed
-                              verify length; or any single-sequence `Proposer`
+    generate(draft)           a DFlash drafter: the cost-aware policy (`block_size="auto"`) or a fixed verify
+                              length; or any single-sequence `Proposer`
     generate_ar               no proposer: one target token per step, through the very same loop, so comparisons
                               between the two measure speculation and nothing else
-    generate_batch(draft)     one batched draft pass and a shared verify length for all rows ("shared"), or an
-                              adaptive proposer per row ("per-sequence"); continuous batching with max_batch_size
+    generate_batch(draft)     the same, for many rows: one batched draft pass and one verify length per step;
+                              continuous batching with max_batch_size
 
 At temperature 0 the output is the target's own greedy decoding token for token; at temperature > 0 it is an exact
 sample from the target's distribution, the one plain sampling draws with the same seed (sampling.py).
@@ -33,7 +33,6 @@ from .engine import (
 from .measure import load_or_measure_costs
 from .model import DFlashDraftModel
 from .proposers import (
-    AdaptiveProposer,
     BatchedDFlashProposer,
     BatchProposer,
     NoProposer,
@@ -43,32 +42,23 @@ from .proposers import (
 from .sampling import SamplingParams
 from .target import Target, TargetError
 
-POLICIES = ("shared", "per-sequence")
-
-
 def batch_proposer(
     target: Target,
     draft: DFlashDraftModel | Callable[[], Proposer] | None,
     block_size: int | str | None = "auto",
-    policy: str = "shared",
     costs: CostModel | None = None,
 ) -> BatchProposer:
-    """The proposer the engine runs: plain (`draft=None`), a DFlash drafter (`policy` "shared": one batched draft
-    pass and a shared verify length; "per-sequence": an adaptive proposer per row; a fixed `block_size`: the
-    drafter's full block drafted, that many tokens verified), or a factory of per-row proposers."""
+    """The proposer the engine runs: plain (`draft=None`), a DFlash drafter (one batched draft pass per step; the
+    cost-aware policy for `block_size="auto"`, else the drafter's full block drafted and that many tokens
+    verified), or a factory of per-row proposers."""
     if draft is None:
         return PerRowProposers(NoProposer)
     if isinstance(draft, DFlashDraftModel):
         target.check_drafter(draft.config)
         verify = check_block_size(block_size, draft.config.block_size)
-        if policy not in POLICIES:
-            raise GenerationError(f"policy must be 'shared' or 'per-sequence', got {policy!r}")
         if verify is not None:
             return BatchedDFlashProposer(draft, target, block_size=verify)
-        costs = costs or load_or_measure_costs(target, draft)
-        if policy == "per-sequence":
-            return PerRowProposers(lambda: AdaptiveProposer(draft, target, costs))
-        return BatchedDFlashProposer(draft, target, costs)
+        return BatchedDFlashProposer(draft, target, costs or load_or_measure_costs(target, draft))
     if callable(draft):
         return PerRowProposers(draft)
     raise TypeError(
@@ -101,7 +91,7 @@ def run(
 
 def generate(
     target: Target | Any,
-    draft: DFlashDraftModel | Proposer,
+    draft: DFlashDraftModel | Proposer | BatchProposer,
     input_ids: torch.Tensor | Sequence[int],
     max_new_tokens: int = 256,
     temperature: float = 0.0,
@@ -113,7 +103,8 @@ def generate(
     on_tokens: Callable[[list[int]], Any] | None = None,
     costs: CostModel | None = None,
 ) -> GenerationResult:
-    """Lossless speculative generation of one sequence with a DFlash drafter (or any single-sequence `Proposer`).
+    """Lossless speculative generation of one sequence with a DFlash drafter (or any `Proposer`, or a
+    `BatchProposer` to run as given).
 
     `target` is a `Target` or a transformers causal LM; `stop_token_ids=None` uses the target's EOS ids, `[]`
     disables stopping. `on_tokens(new_ids)` sees every step's tokens (streaming); returning True ends the generation
@@ -127,12 +118,16 @@ def generate(
     check_request(target, input_ids, max_new_tokens)
     cap = None
     if isinstance(draft, DFlashDraftModel):
-        proposer = batch_proposer(target, draft, block_size, "per-sequence", costs)
+        proposer = batch_proposer(target, draft, block_size, costs)
     elif isinstance(draft, Proposer):
         cap = check_block_size(block_size, draft.max_block_size)
         proposer = PerRowProposers(lambda: draft)
+    elif isinstance(draft, BatchProposer):
+        proposer = draft
     else:
-        raise TypeError(f"draft must be a DFlashDraftModel or a Proposer, got {type(draft).__name__}")
+        raise TypeError(
+            f"draft must be a DFlashDraftModel, a Proposer or a BatchProposer, got {type(draft).__name__}"
+        )
     decoder = BatchDecoder(target, proposer, max_batch_size=1, block_size=cap)
     return run(decoder, [input_ids], [max_new_tokens], sampling, stop_token_ids, [seed], on_tokens)[0]
 
@@ -176,7 +171,6 @@ def generate_batch(
     block_size: int | str | None = "auto",
     seed: int | Sequence[int] | None = None,
     costs: CostModel | None = None,
-    policy: str = "shared",
     max_batch_size: int | None = None,
 ) -> list[GenerationResult]:
     """Decode several prompts together: each row's output is what `generate` gives it alone (greedy, fp32) or the
@@ -192,7 +186,7 @@ def generate_batch(
         raise GenerationError("max_new_tokens and seed must be one value or one per prompt")
     for ids, limit in zip(prompts, limits, strict=True):  # every request is checked before any work
         check_request(target, ids, limit)
-    decoder = BatchDecoder(target, batch_proposer(target, draft, block_size, policy, costs), max_batch_size)
+    decoder = BatchDecoder(target, batch_proposer(target, draft, block_size, costs), max_batch_size)
     return run(decoder, prompts, limits, sampling, stop_token_ids, seeds)
 
 

@@ -10,8 +10,8 @@ The engine (engine.py) talks to one interface, `BatchProposer`, for every batch,
     accept(rows, features)              features of the tokens each row just fixed (anchor + accepted drafts)
 
 Two implement it: `BatchedDFlashProposer` drafts every row in ONE drafter forward and picks one verify length for
-the batch; `PerRowProposers` runs one single-sequence `Proposer` per row (plain decoding, prompt lookup, the
-per-sequence `AdaptiveProposer`, test doubles), whose interface is the same calls for one row:
+the batch (one row or many: the cost-aware policy); `PerRowProposers` runs one single-sequence `Proposer` per row
+(plain decoding, prompt lookup, test doubles), whose interface is the same calls for one row:
 
     bind_history(tokens)                once: the live list of prompt + fixed tokens (for lookup proposers)
     start(features)                     after prefill, with the target features of the prompt
@@ -21,9 +21,9 @@ per-sequence `AdaptiveProposer`, test doubles), whose interface is the same call
 
 `tap_layer_ids` says which target layers a proposer needs; an empty tuple means none are captured.
 
-`AdaptiveProposer` (one row) and `BatchedDFlashProposer` (auto) are the cost-aware policy: per step, prompt lookup,
-the DFlash drafter or a plain step, and how many proposals to verify, by expected tokens per second under the
-measured cost model (policy.py, costs.py).
+The cost-aware policy (`block_size="auto"`, `BatchedDFlashProposer`) is one policy for one row and for many: per
+step, prompt lookup, the DFlash drafter or a plain step, and how many proposals to verify, by the batch's expected
+tokens per second under the measured cost model (policy.py, costs.py), corrected online by the step times observed.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from .costs import CostModel
 from .engine import GenerationError
 from .model import PAD_POSITION, DFlashDraftModel, DraftContextCache
-from .policy import AcceptanceTable, best_verify_length, confidence_keys, confidence_table, expected_tokens
+from .policy import AcceptanceTable, confidence_keys, confidence_table, expected_tokens
 from .target import Target, TargetError
 
 if TYPE_CHECKING:
@@ -182,7 +182,6 @@ def prompt_lookup(
 LOOKUP_MAX_TOKENS = 10
 LOOKUP_MAX_NGRAM = 3
 MAX_SKIP_STEPS = 32
-PROBE_AFTER_STEPS = 8
 
 
 def lookup_with_keys(history: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
@@ -204,115 +203,6 @@ class _Calibration:
 
 
 _CALIBRATIONS: weakref.WeakKeyDictionary[DFlashDraftModel, _Calibration] = weakref.WeakKeyDictionary()
-
-
-class AdaptiveProposer(Proposer):
-    """DFlash drafter + prompt lookup with a cost-aware verify length (the default `block_size="auto"`).
-
-    Each step, before paying for a draft pass, compare the best expected rate (tokens/s) of
-      - prompt lookup (no draft cost; acceptance learned per n-gram size and slot),
-      - the drafter (its recent expected rate), and
-      - a plain step (1 token per one-token verify).
-    When the drafter runs, it drafts its full trained block (the non-causal drafter proposes differently with fewer
-    mask slots) and the verify length n maximises E(n) / (t_draft + t_verify(n + 1)) from its per-slot confidences,
-    calibrated online. When drafting does not pay, it is skipped for 1, 2, 4, .. steps between probes, so it comes
-    back as soon as the text becomes predictable again.
-    """
-
-    def __init__(
-        self, draft: DFlashDraftModel, target: Target, costs: CostModel, lookup: bool = True
-    ) -> None:
-        self.costs = costs
-        self.dflash = DFlashProposer(draft, target, dtype=getattr(torch, costs.draft_dtype, None))
-        self.tap_layer_ids = self.dflash.tap_layer_ids
-        self.max_block_size = self.dflash.max_block_size
-        self.use_lookup = lookup
-        self.calibration = _CALIBRATIONS.setdefault(draft, _Calibration())
-        self.history: list[int] = []
-        self._reset()
-
-    def _reset(self) -> None:
-        self.draft_rate: float | None = None  # expected tokens/s of the drafter (EMA of its best rate)
-        self.skip_steps = 0
-        self.skip_left = 0
-        self._last: tuple[str, torch.Tensor] | None = None
-        self.counts = {"dflash": 0, "lookup": 0, "plain": 0}
-        self.steps_without_draft = 0
-
-    def bind_history(self, tokens: list[int]) -> None:
-        self.history = tokens
-
-    def start(self, features: torch.Tensor | None) -> None:
-        self._reset()
-        self.dflash.start(features)
-
-    def accept(self, features: torch.Tensor | None) -> None:
-        self.dflash.accept(features)
-
-    def stats(self) -> dict[str, Any]:
-        return {"steps_by_source": dict(self.counts)}
-
-    def _lookup_option(self, max_tokens: int, context: int) -> tuple[list[int], torch.Tensor, int, float]:
-        if not self.use_lookup:
-            return [], torch.empty(0, dtype=torch.long), 0, 0.0
-        proposal, keys = lookup_with_keys(self.history, max_tokens)
-        if not proposal:
-            return [], torch.empty(0, dtype=torch.long), 0, 0.0
-        p = self.calibration.lookup.p(keys)
-        n, rate = best_verify_length(p, self.costs.step_s(len(proposal), context, 0.0))
-        return proposal, keys, n, rate
-
-    @torch.no_grad()
-    def propose(self, anchor_token: int, anchor_position: int, num_tokens: int) -> torch.Tensor:
-        device = self.dflash.target.device
-        context = anchor_position
-        plain_rate = 1.0 / float(self.costs.verify_s(1, context))
-        lookup, lookup_keys, lookup_n, lookup_rate = self._lookup_option(num_tokens, context)
-        drafting_pays = self.draft_rate is None or self.draft_rate > plain_rate
-        # While the drafter's rate is unknown, lookup may go first, but the drafter is tried within a few steps
-        # (where verifying is nearly free, a GPU, some lookup match would otherwise always win).
-        probe = self.draft_rate is None and self.steps_without_draft >= PROBE_AFTER_STEPS
-        self.steps_without_draft += 1
-        if (
-            lookup_n
-            and not probe
-            and (lookup_rate >= (self.draft_rate or 0.0) or self.skip_left > 0 or not drafting_pays)
-        ):
-            self.skip_left = max(0, self.skip_left - 1)  # a skipped drafting step, whoever filled it
-            self._last = ("lookup", lookup_keys[:lookup_n])
-            self.counts["lookup"] += 1
-            return torch.tensor(lookup[:lookup_n], dtype=torch.long, device=device)
-        if self.skip_left > 0:
-            self.skip_left -= 1
-            self._last = None
-            self.counts["plain"] += 1
-            return torch.empty(0, dtype=torch.long, device=device)
-
-        # Draft the full block; verify as many slots as pay for themselves.
-        self.steps_without_draft = 0
-        block = self.max_block_size - 1
-        tokens, confidence = self.dflash.draft_confidences(anchor_token, anchor_position, block)
-        keys = confidence_keys(confidence, self.calibration.confidence_bins)
-        p = self.calibration.draft.p(keys)[:num_tokens]
-        n, rate = best_verify_length(p, self.costs.step_s(len(p), context, self.costs.draft_s(context)))
-        # One unsure step says little (the next anchor may be easy): skip on the running expected rate.
-        self.draft_rate = rate if self.draft_rate is None else 0.5 * self.draft_rate + 0.5 * rate
-        if self.draft_rate > plain_rate:
-            self.skip_steps = 0
-        else:  # not worth it right now: plain steps (or lookup) for a while, then probe again
-            self.skip_steps = min(MAX_SKIP_STEPS, max(1, 2 * self.skip_steps))
-            self.skip_left = self.skip_steps
-        self._last = ("dflash", keys[:n])
-        self.counts["dflash"] += 1
-        return tokens[:n].to(device)
-
-    def observe(self, num_proposed: int, num_accepted: int) -> None:
-        if self._last is None:
-            return
-        source, keys = self._last
-        table = self.calibration.draft if source == "dflash" else self.calibration.lookup
-        table.update(keys.cpu(), num_proposed, num_accepted)
-        self._last = None
 
 
 # ---------------------------------------------------------------------------------------------------------- proposers
@@ -387,12 +277,17 @@ class PerRowProposers(BatchProposer):
 
 
 class BatchedDFlashProposer(BatchProposer):
-    """A DFlash drafter drafting every row in one forward, and one verify length shared by the batch.
+    """A DFlash drafter drafting every row in one forward, and one verify length shared by the batch: the engine's
+    one cost-aware policy, for a request alone (a batch of one) as for many rows.
 
     `block_size=None` (auto): per step, prompt lookup for each row (free), the drafter (one pass for all rows) or
     a plain step, and the shared verify length n maximising the batch's expected tokens per second,
-    sum_i E_i(n) / (t_draft(b) + t_verify(b * n)), under the measured cost model. An integer drafts and verifies
-    that many tokens (anchor included) every step.
+    sum_i E_i(n) / (t_draft(b) + t_verify(b * n)), under the measured cost model. The drafter always drafts its
+    full trained block (the non-causal drafter proposes differently with fewer mask slots); after the pass, each row
+    keeps its draft or its lookup match, whichever is expected to give more. When drafting does not beat plain
+    steps, it is skipped for 1, 2, 4, .. steps between probes (lookup still fills them), so it comes back as soon as
+    the text becomes predictable again. An integer `block_size` drafts and verifies that many tokens (anchor
+    included) every step.
 
     The drafter's context cache is batched too: rows are padded to a common length with PAD_POSITION, which the
     drafter's mask rule (context before the anchor) never shows to a block.
@@ -406,6 +301,7 @@ class BatchedDFlashProposer(BatchProposer):
         block_size: int | None = None,
         lookup: bool = True,
         dtype: torch.dtype | None = None,
+        online_costs: bool = True,
     ) -> None:
         if block_size is None and costs is None:
             raise ValueError("the automatic verify length needs a cost model")
@@ -418,6 +314,7 @@ class BatchedDFlashProposer(BatchProposer):
         self.costs = costs
         self.fixed = block_size
         self.use_lookup = lookup
+        self.online_costs = online_costs
         self.tap_layer_ids = single.tap_layer_ids
         self.max_block_size = single.max_block_size
         self.mask_token_id = single.mask_token_id
@@ -430,10 +327,15 @@ class BatchedDFlashProposer(BatchProposer):
         self.draft_rate: float | None = None  # the batch's expected tokens/s when drafting (EMA)
         self.skip_steps = 0
         self.skip_left = 0
-        # Online corrections of the cost model (measured / predicted, EMA): a batched forward with ragged masks and
-        # a padded draft context cost what the single-row measurements cannot say.
-        self.verify_ratio: dict[tuple[int, int], float] = {}  # by (rows, tokens per row)
-        self.draft_ratio = 1.0
+        # Online corrections of the cost model (measured / predicted, EMA), for batches of 2+ rows only: a batched
+        # forward with ragged masks and a padded draft context cost what the single-row measurements cannot say.
+        # One row is the shape the cost model measured; correcting it only fed timing noise into the choice (at one
+        # row it measured 1.18x over plain against 1.36x without, in one run: benchmarks/README.md). One ratio per
+        # row count, which every verify of that many rows updates (plain steps included), so a busy spell and its
+        # end reach all verify lengths at once; the draft pass is priced relative to the verify (its ratio over the
+        # verify ratio of the moment). `online_costs=False` prices by `costs` alone (a cost model written by hand).
+        self.verify_ratio: dict[int, float] = {}  # by rows
+        self.draft_ratio: float | None = None  # (measured / predicted draft) / verify ratio, EMA
 
     # -------------------------------------------------------------- rows
     def add(self, row: BatchRow, features: torch.Tensor | None) -> None:
@@ -521,6 +423,9 @@ class BatchedDFlashProposer(BatchProposer):
         block_ids[:, 0] = anchors
         starts = torch.tensor([row.anchor_position for row in rows], device=device)
         block_positions = starts[:, None] + torch.arange(block, device=device)
+        # One row with no padding left in its cache is the one-block fast path (no mask); padding needs the mask.
+        c = self.cache
+        c.ragged = b > 1 or (c.positions is not None and bool((c.positions == PAD_POSITION).any()))
         hidden = self.draft(
             self.target.embed(block_ids),
             block_positions,
@@ -551,9 +456,7 @@ class BatchedDFlashProposer(BatchProposer):
             e = expected_tokens(p[:max_n])
             expected += torch.cat([e, e[-1:].expand(max_n + 1 - len(e))])
         tokens_per_row = torch.arange(1, max_n + 2)
-        step_s = propose_s + self.costs.verify_s(b * tokens_per_row, context) * torch.tensor(
-            [self._verify_ratio(b, int(n)) for n in tokens_per_row]
-        )
+        step_s = propose_s + self.costs.verify_s(b * tokens_per_row, context) * self._verify_ratio(b)
         rates = expected / step_s
         n = int(torch.argmax(rates))
         return n, float(rates[n])
@@ -570,7 +473,7 @@ class BatchedDFlashProposer(BatchProposer):
 
         context = sum(row.anchor_position for row in rows) // b
         top = max(max_drafts)
-        plain_rate = b / (float(self.costs.verify_s(b, context)) * self._verify_ratio(b, 1))
+        plain_rate = b / (float(self.costs.verify_s(b, context)) * self._verify_ratio(b))
         lookups = [self._lookup(row, m) for row, m in zip(rows, max_drafts, strict=True)]
         lookup_probs = [self.calibration.lookup.p(keys) for _, keys in lookups]
         lookup_n, lookup_rate = (
@@ -578,9 +481,10 @@ class BatchedDFlashProposer(BatchProposer):
             if any(len(p) for p in lookup_probs)
             else (0, 0.0)
         )
-        draft_now = (
-            top > 0 and self.skip_left == 0 and (self.draft_rate is None or self.draft_rate >= lookup_rate)
-        )
+        # Draft when its expected rate beats this step's lookup, and always once the skipped steps are over (the
+        # rate that made it skip is stale then: a probe measures it again, or lookup would keep it off forever).
+        probe = self.draft_rate is None or self.draft_rate <= plain_rate
+        draft_now = top > 0 and self.skip_left == 0 and (probe or self.draft_rate >= lookup_rate)
         if not draft_now:
             self.skip_left = max(0, self.skip_left - 1)
             use_lookup = lookup_n > 0 and lookup_rate > plain_rate
@@ -595,7 +499,9 @@ class BatchedDFlashProposer(BatchProposer):
         t0 = time.perf_counter()
         tokens, confidence = self.draft_rows(rows)
         predicted = self.costs.draft_batch_s(b, context)
-        self.draft_ratio = _ema(self.draft_ratio, (time.perf_counter() - t0) / max(predicted, 1e-9))
+        if self.online_costs and b > 1:  # the first measurement counts at once, as for the verify
+            ratio = (time.perf_counter() - t0) / max(predicted, 1e-9) / self._verify_ratio(b)
+            self.draft_ratio = ratio if self.draft_ratio is None else _ema(self.draft_ratio, ratio)
         keys = confidence_keys(confidence, self.calibration.confidence_bins)
         choices = []  # per row: (source, tokens, keys, acceptance probabilities)
         for i, m in enumerate(max_drafts):
@@ -605,10 +511,14 @@ class BatchedDFlashProposer(BatchProposer):
             if len(proposal) and expected_tokens(lookup_probs[i])[-1] > expected_tokens(p_draft)[-1]:
                 candidate = ("lookup", torch.tensor(proposal, dtype=torch.long), lkeys, lookup_probs[i])
             choices.append(candidate)
-        draft_s = self.costs.draft_batch_s(b, context) * self.draft_ratio
+        draft_s = self.costs.draft_batch_s(b, context)
+        if b > 1:
+            draft_s *= (self.draft_ratio or 1.0) * self._verify_ratio(b)
         n, rate = self._batch_rate([c[3] for c in choices], draft_s, context, top)
         self.draft_rate = rate if self.draft_rate is None else 0.5 * self.draft_rate + 0.5 * rate
-        if self.draft_rate > max(plain_rate, lookup_rate):
+        # Skipping compares with plain steps only: a lookup match is this step's luck, taken whenever it wins, not a
+        # reason to stop drafting.
+        if self.draft_rate > plain_rate:
             self.skip_steps = 0
         else:  # drafting does not pay for this batch right now: lookup or plain steps, then probe again
             self.skip_steps = min(MAX_SKIP_STEPS, max(1, 2 * self.skip_steps))
@@ -620,21 +530,20 @@ class BatchedDFlashProposer(BatchProposer):
             out.append(toks[:n])
         return out
 
-    def _verify_ratio(self, rows: int, tokens_per_row: int) -> float:
-        """Measured / predicted step time for this shape (the nearest shape measured so far: same row count
-        first)."""
-        if not self.verify_ratio:
+    def _verify_ratio(self, rows: int) -> float:
+        """Measured / predicted verify time at this many rows (the nearest row count measured so far; 1 for one
+        row, the measured shape)."""
+        if rows == 1 or not self.verify_ratio:
             return 1.0
-        key = min(self.verify_ratio, key=lambda k: (abs(k[0] - rows), abs(k[1] - tokens_per_row)))
-        return self.verify_ratio[key]
+        return self.verify_ratio[min(self.verify_ratio, key=lambda r: abs(r - rows))]
 
     def timed(self, rows: int, tokens_per_row: int, context: int, seconds: float) -> None:
-        if self.costs is None:
+        if self.costs is None or not self.online_costs or rows == 1:
             return
         predicted = float(self.costs.verify_s(rows * tokens_per_row, context))
-        old = self.verify_ratio.get((rows, tokens_per_row))
+        old = self.verify_ratio.get(rows)
         ratio = seconds / max(predicted, 1e-9)
-        self.verify_ratio[rows, tokens_per_row] = ratio if old is None else _ema(old, ratio)
+        self.verify_ratio[rows] = ratio if old is None else _ema(old, ratio)
 
     def observe(self, rows: list[BatchRow], proposed: list[int], accepted: list[int]) -> None:
         for i, (n, a) in enumerate(zip(proposed, accepted, strict=True)):

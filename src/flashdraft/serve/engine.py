@@ -131,7 +131,6 @@ class Engine:
         max_queue: int = 64,
         block_size: int | str = "auto",
         max_batch_size: int = 8,
-        policy: str = "shared",
         costs: Any = None,
     ) -> None:
         self.target = target
@@ -140,7 +139,7 @@ class Engine:
         self.max_queue = max_queue
         self.max_batch_size = max_batch_size
         self.decoder = BatchDecoder(
-            target, batch_proposer(target, draft, block_size, policy, costs), max_batch_size
+            target, batch_proposer(target, draft, block_size, costs), max_batch_size
         )
         self._queue: queue.Queue[RequestHandle | None] = queue.Queue(maxsize=max_queue)
         self._closing = False
