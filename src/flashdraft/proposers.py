@@ -236,8 +236,8 @@ class BatchProposer:
 
 
 class PerRowProposers(BatchProposer):
-    """One single-sequence `Proposer` per row (the per-sequence policy: each row chooses its own verify length
-    under single-sequence costs; the step verifies the longest)."""
+    """One single-sequence `Proposer` per row (plain decoding, prompt lookup, a fixed-block `DFlashProposer`,
+    test doubles): each row proposes on its own; the step verifies the longest proposal."""
 
     def __init__(self, factory: Callable[[], Proposer]) -> None:
         self.factory = factory
