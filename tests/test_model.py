@@ -86,7 +86,12 @@ def test_zlab_config_loads_and_round_trips_field_for_field(tmp_path):
     assert (cfg.block_size, cfg.mask_token_id, cfg.target_layer_ids) == (16, 151669, [1, 9, 17, 25, 33])
     assert cfg.layer_types == ["full_attention"] * 5 and cfg.rope_theta == 1e6
     written = cfg.to_dict()
+    # No `auto_map`: it names a remote-code dflash.py that flashdraft does not ship (z-lab's package, vLLM and SGLang
+    # load drafters without it), so transformers' trust_remote_code route would fail on it.
+    assert "auto_map" not in written
     for key, value in ZLAB_QWEN3_8B.items():
+        if key == "auto_map":
+            continue
         if key == "dflash_config":
             assert {k: written[key][k] for k in value} == value
         else:
@@ -133,7 +138,7 @@ def test_sliding_layers_config():
         ({"dflash_config": {"mask_token_id": 1, "target_layer_ids": [1, 36]}}, "outside the target"),
         ({"dflash_config": {"mask_token_id": 1, "block_size": 8}}, "block_size disagrees"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "RoPE type 'dynamic'"),
         ({"hidden_size": None}, "hidden_size"),
     ],
 )
@@ -143,6 +148,106 @@ def test_config_refuses_what_it_cannot_honour(change, message):
         raw.pop("hidden_size")
     with pytest.raises(DFlashConfigError, match=message):
         DFlashConfig.from_dict(raw)
+
+
+def test_logit_and_input_keys_read_as_zlab_reads_them():
+    """output_multiplier, final_logit_softcapping and input_embedding_scale (the gemma-4 drafters' keys) load from
+    dflash_config or the top level, dflash_config first (z-lab's precedence), and are written back in dflash_config;
+    num_target_layers may sit inside dflash_config. Anything but a positive number is one clear error."""
+    raw = {k: v for k, v in ZLAB_QWEN3_8B.items() if k != "num_target_layers"}
+    raw["output_multiplier"] = 3.0  # loses against dflash_config's value
+    raw["final_logit_softcapping"] = 20.0
+    raw["dflash_config"] = {
+        **raw["dflash_config"], "output_multiplier": 0.19611613513818404, "input_embedding_scale": 2.5,
+        "num_target_layers": 36,
+    }  # fmt: skip
+    cfg = DFlashConfig.from_dict(raw)
+    assert (cfg.output_multiplier, cfg.final_logit_softcapping) == (0.19611613513818404, 20.0)
+    assert cfg.input_embedding_scale == 2.5 and cfg.num_target_layers == 36
+    written = cfg.to_dict()
+    assert written["dflash_config"]["output_multiplier"] == 0.19611613513818404
+    assert written["dflash_config"]["final_logit_softcapping"] == 20.0
+    assert written["dflash_config"]["input_embedding_scale"] == 2.5
+    assert "output_multiplier" not in written and "input_embedding_scale" not in written
+    assert DFlashConfig.from_dict(written) == cfg
+    plain = DFlashConfig.from_dict(ZLAB_QWEN3_8B)  # neutral values are not written
+    assert (plain.output_multiplier, plain.final_logit_softcapping, plain.input_embedding_scale) == (
+        1.0,
+        None,
+        1.0,
+    )
+    assert set(plain.to_dict()["dflash_config"]) == {"block_size", "mask_token_id", "target_layer_ids"}
+    for key, bad in [
+        ("output_multiplier", -1.0),
+        ("input_embedding_scale", "2"),
+        ("final_logit_softcapping", -5),
+    ]:
+        with pytest.raises(DFlashConfigError, match=f"{key}.*must be a positive number"):
+            DFlashConfig.from_dict({**ZLAB_QWEN3_8B, key: bad})
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_draft_logits_and_block_inputs_follow_the_drafter_keys(models, arch):
+    """Draft logits = softcap(m * lm_head(h)) with the drafter's keys (multiplier first), the block input = the
+    target's raw embedding rows * input_embedding_scale. A drafter made for a target carries that target's
+    embedding scale (Gemma: sqrt(H)), so its input is what the target's own embedding gives."""
+    from flashdraft.proposers import DFlashProposer
+
+    model = models[arch]
+    target = Target(model)
+    draft = DFlashDraftModel.for_target(
+        model.config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1
+    ).eval()
+    assert draft.config.input_embedding_scale == pytest.approx(target.input_embedding_scale)
+    ids = torch.tensor([[3, 7, VOCAB - 1]])
+    proposer = DFlashProposer(draft, target)
+    torch.testing.assert_close(proposer.block_inputs(ids), target.embed(ids))
+    hidden = torch.randn(5, model.config.hidden_size)
+    raw = hidden @ model.lm_head.weight.T
+    torch.testing.assert_close(proposer.head_logits(hidden), raw)
+    draft.config.output_multiplier, draft.config.final_logit_softcapping = 0.5, 3.0
+    draft.config.input_embedding_scale = 2.0
+    torch.testing.assert_close(proposer.head_logits(hidden), torch.tanh(raw * 0.5 / 3.0) * 3.0)
+    rows = model.get_input_embeddings().weight[ids]
+    torch.testing.assert_close(proposer.block_inputs(ids), rows * 2.0)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 512},
+        {"rope_type": "linear", "factor": 2.0},
+    ],
+)  # fmt: skip
+def test_scaled_rope_equals_transformers_and_survives_a_checkpoint(tmp_path, rope):
+    """yarn / llama3 / linear RoPE (the Kimi drafters' keys): the drafter's cos/sin equal transformers' Qwen3 rotary
+    embedding (z-lab's drafter uses it) at the same positions, attention factor included, and the scaling is written
+    back and read again with the weights."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    raw = small_config().to_dict()
+    raw["rope_scaling"] = dict(rope)
+    raw["max_position_embeddings"] = 4096
+    cfg = DFlashConfig.from_dict(raw)
+    assert cfg.rope_scaling == rope and cfg.to_dict()["rope_scaling"] == rope
+    draft = DFlashDraftModel(cfg).eval()
+    positions = torch.tensor([[0, 5, 900, 3000]])
+    cos, sin = draft.rotary_emb(positions, torch.float32)
+    hf = Qwen3Config(
+        hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
+        max_position_embeddings=4096, rope_parameters={**rope, "rope_theta": cfg.rope_theta},
+    )  # fmt: skip
+    ref_cos, ref_sin = Qwen3RotaryEmbedding(hf)(torch.zeros(1, 4, cfg.head_dim), positions)
+    torch.testing.assert_close(cos[:, 0], ref_cos)
+    torch.testing.assert_close(sin[:, 0], ref_sin)
+    plain = DFlashDraftModel(small_config()).eval().rotary_emb(positions, torch.float32)[0]
+    assert not torch.allclose(plain, cos)  # the scaling changed something
+    draft.save_pretrained(tmp_path)
+    loaded = DFlashDraftModel.from_pretrained(tmp_path, dtype=torch.float32)
+    torch.testing.assert_close(loaded.rotary_emb(positions, torch.float32)[0], cos)
 
 
 def test_weights_round_trip_with_zlab_names(tmp_path):
@@ -196,10 +301,13 @@ def _features(config: DFlashConfig, n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(1, n, config.num_target_features * config.hidden_size, generator=g)
 
 
-@pytest.mark.parametrize("layer_types", [None, ["sliding_attention", "full_attention"]])
-def test_incremental_context_cache_equals_recompute(layer_types):
+@pytest.mark.parametrize(
+    ("layer_types", "causal"),
+    [(None, None), (["sliding_attention", "full_attention"], None), (["sliding_attention"] * 2, False)],
+)
+def test_incremental_context_cache_equals_recompute(layer_types, causal):
     """Growing the draft context cache chunk by chunk gives the logits of one from-scratch pass."""
-    extra = {"layer_types": layer_types, "sliding_window": 5} if layer_types else {}
+    extra = {"layer_types": layer_types, "sliding_window": 5, "causal": causal} if layer_types else {}
     cfg = small_config(**extra)
     torch.manual_seed(1)
     draft = DFlashDraftModel(cfg).eval()
@@ -251,6 +359,36 @@ def test_sliding_layers_are_windowed_and_causal_in_block():
         a = full(block, pos, feats, torch.arange(12)[None])
         b = full(later_changed, pos, feats, torch.arange(12)[None])
     assert not torch.allclose(a[:, :5], b[:, :5])
+
+
+def test_explicit_is_causal_applies_to_every_layer():
+    """z-lab's rule: `is_causal` unset makes sliding layers causal; an explicit false makes none causal (the DFlash2
+    configs: sliding window, bidirectional block), an explicit true makes full layers causal too. Kept on export."""
+    feats = _features(small_config(), 12)
+    pos = torch.arange(12, 20)[None]
+    block = torch.randn(1, 8, 64)
+    later_changed = block.clone()
+    later_changed[:, 5:] += 1.0
+    for layer_type, causal, sees_later in [
+        ("sliding_attention", None, False),
+        ("sliding_attention", False, True),
+        ("full_attention", True, False),
+        ("full_attention", None, True),
+    ]:
+        cfg = small_config(num_hidden_layers=1, layer_types=[layer_type], sliding_window=6, causal=causal)
+        torch.manual_seed(3)
+        draft = DFlashDraftModel(cfg).eval()
+        with torch.no_grad():
+            a = draft(block, pos, feats, torch.arange(12)[None])
+            b = draft(later_changed, pos, feats, torch.arange(12)[None])
+        assert torch.allclose(a[:, :5], b[:, :5], atol=1e-6) != sees_later, (layer_type, causal)
+    raw = {**ZLAB_QWEN3_8B, "layer_types": ["sliding_attention"] * 5, "use_sliding_window": True}
+    raw["sliding_window"] = 2048
+    for value in (None, False, True):
+        cfg = DFlashConfig.from_dict({**raw, **({} if value is None else {"is_causal": value})})
+        assert cfg.causal is value
+        assert cfg.to_dict().get("is_causal") is value
+        assert cfg.layer_is_causal("sliding_attention") == (value is not False)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -68,7 +68,9 @@ def tiny(models):
     return Target(model), draft.eval()
 
 
-def scripted(target, draft, costs, confidence: float, truth: list[int] | None = None) -> BatchedDFlashProposer:
+def scripted(
+    target, draft, costs, confidence: float, truth: list[int] | None = None
+) -> BatchedDFlashProposer:
     """The cost-aware proposer without prompt lookup and priced by `costs` alone, its drafter reporting `confidence`
     for every slot (and proposing the tokens of `truth`, the whole greedy sequence, when given)."""
     proposer = BatchedDFlashProposer(draft, target, costs, lookup=False, online_costs=False)
@@ -139,7 +141,7 @@ def test_verify_prices_never_fall_with_length():
     base = [1.00, 1.61, 1.95, 2.12, 1.61, 1.60, 1.49, 1.72, 1.61, 1.76]
     costs = CostModel(lengths=lengths, verify_base=base, verify_slope=[0.0] * len(lengths))
     prices = [float(costs.verify_s(n, 0)) for n in lengths]
-    assert all(a <= b + 1e-6 for a, b in zip(prices, prices[1:]))
+    assert all(a <= b + 1e-6 for a, b in zip(prices, prices[1:], strict=False))
     assert sum(prices) == pytest.approx(sum(base), rel=1e-5)  # pooling keeps the mean
     assert prices[0] == pytest.approx(1.0) and prices[1] == pytest.approx(1.61)
     assert prices[2] == pytest.approx(prices[8]) and prices[9] == pytest.approx(1.76)

@@ -11,6 +11,7 @@ import torch
 
 from conftest import VOCAB, tiny_model
 from flashdraft import DFlashDraftModel, DFlashProposer, Target, generate, generate_ar
+from flashdraft.model import draft_logits
 from flashdraft.train import (
     default_gamma,
     draft_hidden_for_blocks,
@@ -55,26 +56,36 @@ def test_blocks_labels_and_weights_hand_worked():
     assert torch.allclose(b.weights, torch.tensor(expected, dtype=torch.float32))
 
 
-@pytest.mark.parametrize("softcap", [None, 5.0])
-def test_weighted_block_loss_matches_autograd_reference(softcap):
+def drafter_head(model, softcap, multiplier):
+    """A drafter config for `model` whose logits are soft-capped by `softcap` after `multiplier`."""
+    cfg = DFlashDraftModel.for_target(
+        model.config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1
+    ).config
+    cfg.final_logit_softcapping, cfg.output_multiplier = softcap, multiplier
+    head = model.lm_head
+    return cfg, lambda h: draft_logits(cfg, h, head.weight, head.bias)
+
+
+@pytest.mark.parametrize("softcap,multiplier", [(None, 1.0), (5.0, 1.0), (5.0, 0.3), (None, 2.5)])
+def test_weighted_block_loss_matches_autograd_reference(softcap, multiplier):
     """The fused frozen-head loss (gradient computed in the forward, chunk by chunk) equals plain
-    sum_i w_i CE(lm_head(h_i), y_i) through autograd: value, gradient and per-row correctness."""
+    sum_i w_i CE(softcap(m * lm_head(h_i)), y_i) through autograd: value, gradient and per-row correctness."""
     torch.manual_seed(0)
     model = tiny_model("llama")
-    model.config.final_logit_softcapping = softcap
     target = Target(model)
+    cfg, logits_of = drafter_head(model, softcap, multiplier)
     rows = 21
     hidden = torch.randn(rows, model.config.hidden_size, requires_grad=True)
     labels = torch.randint(0, VOCAB, (rows,))
     weights = torch.rand(rows) * (torch.rand(rows) > 0.3)  # some rows unsupervised
-    labels[0] = target.lm_head_logits(hidden[:1].detach()).argmax(-1)[0]  # at least one correct row
+    labels[0] = logits_of(hidden[:1].detach()).argmax(-1)[0]  # at least one correct row
     weights[0] = 1.0
-    loss, correct = weighted_block_loss(target, hidden, labels, weights, chunk_size=4)
+    loss, correct = weighted_block_loss(target, cfg, hidden, labels, weights, chunk_size=4)
     (3 * loss).backward()
     fused_grad, hidden.grad = hidden.grad.clone(), None
 
     keep = weights > 0
-    logits = target.lm_head_logits(hidden)
+    logits = logits_of(hidden)
     ref = (
         torch.nn.functional.cross_entropy(logits[keep], labels[keep], reduction="none") * weights[keep]
     ).sum()
@@ -84,16 +95,20 @@ def test_weighted_block_loss_matches_autograd_reference(softcap):
     assert correct.tolist() == (logits[keep].argmax(-1) == labels[keep]).tolist()
     assert correct[0]
     with torch.no_grad():  # evaluation: same value, no gradient work
-        torch.testing.assert_close(weighted_block_loss(target, hidden, labels, weights, chunk_size=4)[0], ref)
+        torch.testing.assert_close(
+            weighted_block_loss(target, cfg, hidden, labels, weights, chunk_size=4)[0], ref
+        )
 
 
-@pytest.mark.parametrize("softcap", [None, 5.0])
-def test_kl_term_matches_autograd_reference(softcap):
-    """CE + kl * KL(target || draft), fused, equals the plain autograd formula: value and gradient."""
+@pytest.mark.parametrize("softcap,multiplier", [(None, 1.0), (5.0, 0.3)])
+def test_kl_term_matches_autograd_reference(softcap, multiplier):
+    """CE + kl * KL(target || draft), fused, equals the plain autograd formula: value and gradient. The target's
+    distribution is its own (soft-capped by the target's config), the draft's has the drafter's cap and multiplier."""
     torch.manual_seed(1)
     model = tiny_model("llama")
-    model.config.final_logit_softcapping = softcap
+    model.config.final_logit_softcapping = 7.0 if softcap else None
     target = Target(model)
+    cfg, logits_of = drafter_head(model, softcap, multiplier)
     rows, positions, kl = 19, 7, 0.7
     hidden = torch.randn(rows, model.config.hidden_size, requires_grad=True)
     labels = torch.randint(0, VOCAB, (rows,))
@@ -102,13 +117,13 @@ def test_kl_term_matches_autograd_reference(softcap):
     index = torch.randint(0, positions, (rows,))
     probs, entropy = target_distribution(target, last_hidden, chunk_size=3)
     loss, _ = weighted_block_loss(
-        target, hidden, labels, weights, 4, soft=(probs, entropy, index), kl_weight=kl
+        target, cfg, hidden, labels, weights, 4, soft=(probs, entropy, index), kl_weight=kl
     )
     loss.backward()
     fused_grad, hidden.grad = hidden.grad.clone(), None
 
     keep = weights > 0
-    logq = target.lm_head_logits(hidden).log_softmax(-1)[keep]
+    logq = logits_of(hidden).log_softmax(-1)[keep]
     logp = target.lm_head_logits(last_hidden).log_softmax(-1)[index[keep]]
     ce = -logq.gather(1, labels[keep][:, None])[:, 0]
     kl_div = (logp.exp() * (logp - logq)).sum(-1)
@@ -118,7 +133,7 @@ def test_kl_term_matches_autograd_reference(softcap):
     torch.testing.assert_close(fused_grad, hidden.grad)
     # kl_weight 0 is the plain loss
     plain = weighted_block_loss(
-        target, hidden, labels, weights, 4, soft=(probs, entropy, index), kl_weight=0.0
+        target, cfg, hidden, labels, weights, 4, soft=(probs, entropy, index), kl_weight=0.0
     )
     torch.testing.assert_close(plain[0], (ce * weights[keep]).sum())
 

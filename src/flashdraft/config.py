@@ -43,6 +43,11 @@ _KNOWN_DFLASH_KEYS = {
     "use_swa",
     "swa_window_size",
     "causal",
+    # Read as z-lab does: dflash_config first, then the top level.
+    "num_target_layers",
+    "input_embedding_scale",
+    "output_multiplier",
+    "final_logit_softcapping",
     # Training metadata only; harmless for inference.
     "num_anchors",
     "loss_decay_gamma",
@@ -56,11 +61,11 @@ _REFUSED_FIELDS = {
     "conv_kernel_size": "DFlash2 local convolution",
     "selector_rank": "DFlash2 candidate selector",
     "selector_top_k": "DFlash2 candidate selector",
-    "output_multiplier": "an output multiplier",
-    "final_logit_softcapping": "drafter logit soft-capping",
     "backbone_rotary_base": "a separate RoPE base for target features",
     "sample_from_anchor": "the DSpark anchor-sampling layout",
 }
+# RoPE types implemented (static frequencies; `dynamic` rescales with the sequence length and is refused).
+ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 # Fields allowed only when they equal a neutral value.
 _NEUTRAL_VALUES = {"partial_rotary_factor": 1.0}
 
@@ -99,11 +104,22 @@ class DFlashConfig:
     block_size: int = 16
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
+    # Non-default RoPE (rope_type linear / yarn / llama3 and its parameters), computed by transformers' own RoPE
+    # functions; None = plain RoPE at rope_theta.
+    rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 32768
     attention_bias: bool = False
     layer_types: list[str] = field(default_factory=list)
     sliding_window: int | None = None
-    causal: bool = False  # top-level `is_causal` / dflash_config.causal: every layer causal within the block
+    # Causality inside the block, z-lab's rule: None (unset) = sliding_attention layers causal, full ones not;
+    # True / False (an explicit top-level `is_causal`) = every layer causal / none.
+    causal: bool | None = None
+    # The block input is the target's raw embedding row times this (z-lab's rule: the target's own embedding module,
+    # e.g. Gemma's sqrt(H) scaling, is not applied); flashdraft writes the target's scale here for its drafters.
+    input_embedding_scale: float = 1.0
+    # Draft logits = lm_head(h) * output_multiplier, then tanh(x / c) * c with c = final_logit_softcapping (if set).
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
     hidden_act: str = "silu"
     initializer_range: float = 0.02
     dtype: str = "bfloat16"
@@ -119,6 +135,10 @@ class DFlashConfig:
         if not self.layer_types:
             self.layer_types = [FULL_ATTENTION] * self.num_hidden_layers
         self.validate()
+
+    def layer_is_causal(self, layer_type: str) -> bool:
+        """Whether a layer of this type is causal inside the block (z-lab: `is_causal` if set, else sliding)."""
+        return layer_type == SLIDING_ATTENTION if self.causal is None else self.causal
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
@@ -212,7 +232,25 @@ class DFlashConfig:
         num_attention_heads = need("num_attention_heads")
         num_key_value_heads = d.pop("num_key_value_heads", num_attention_heads)
         head_dim = d.pop("head_dim", None) or hidden_size // num_attention_heads
+        if "num_target_layers" not in d and "num_target_layers" in dflash:
+            d["num_target_layers"] = dflash["num_target_layers"]
         num_target_layers = need("num_target_layers")
+
+        def draft_value(key: str, default: Any) -> Any:
+            """z-lab's precedence: dflash_config, then the top level, then the default."""
+            value = dflash.get(key, d.get(key, default))
+            d.pop(key, None)
+            return default if value is None else value
+
+        def positive(key: str, value: Any) -> float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise DFlashConfigError(f"config field {key!r}={value!r} must be a positive number")
+            return float(value)
+
+        input_embedding_scale = positive("input_embedding_scale", draft_value("input_embedding_scale", 1.0))
+        output_multiplier = positive("output_multiplier", draft_value("output_multiplier", 1.0))
+        softcap = draft_value("final_logit_softcapping", 0.0)
+        final_logit_softcapping = positive("final_logit_softcapping", softcap) if softcap else None
 
         block_size = dflash.get("block_size", d.get("block_size"))
         both = dflash.get("block_size") is not None and d.get("block_size") is not None
@@ -234,12 +272,18 @@ class DFlashConfig:
         rope_theta = d.pop("rope_theta", None)
         rope_parameters = d.pop("rope_parameters", None)
         rope_scaling = d.pop("rope_scaling", None)
+        scaling = None
         for rope in (rope_parameters, rope_scaling):
             if rope:
                 rope_type = rope.get("rope_type", rope.get("type", "default"))
-                if rope_type != "default":
-                    raise DFlashConfigError(f"RoPE type {rope_type!r} is not supported (only 'default')")
+                if rope_type not in ROPE_TYPES:
+                    raise DFlashConfigError(
+                        f"RoPE type {rope_type!r} is not supported (only {', '.join(ROPE_TYPES)})"
+                    )
                 rope_theta = rope.get("rope_theta", rope_theta)
+                if rope_type != "default":
+                    scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")}
+                    scaling["rope_type"] = rope_type
         if rope_theta is None:
             rope_theta = 10000.0
 
@@ -257,7 +301,10 @@ class DFlashConfig:
                 SLIDING_ATTENTION if sliding and i >= max_window_layers else FULL_ATTENTION
                 for i in range(num_hidden_layers)
             ]
-        causal = bool(d.pop("is_causal", False) or dflash.get("causal", False))
+        is_causal = d.pop("is_causal", None)
+        if is_causal is None:  # not read by z-lab's package, but some converters write it
+            is_causal = dflash.get("causal")
+        causal = None if is_causal is None else bool(is_causal)
 
         hidden_act = d.pop("hidden_act", "silu")
         if hidden_act != "silu":
@@ -279,11 +326,15 @@ class DFlashConfig:
             block_size=int(block_size),
             rms_norm_eps=float(d.pop("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
+            rope_scaling=scaling,
             max_position_embeddings=int(d.pop("max_position_embeddings", 32768)),
             attention_bias=bool(d.pop("attention_bias", False)),
             layer_types=list(layer_types),
             sliding_window=sliding_window,
             causal=causal,
+            input_embedding_scale=input_embedding_scale,
+            output_multiplier=output_multiplier,
+            final_logit_softcapping=final_logit_softcapping,
             hidden_act=hidden_act,
             initializer_range=float(d.pop("initializer_range", 0.02)),
             dtype=str(dtype),
@@ -316,11 +367,17 @@ class DFlashConfig:
             dflash["mask_token"] = self.extra["_mask_token"]
         if self.causal:
             dflash["causal"] = True
+        # In dflash_config, where every z-lab loader (torch and MLX) reads them; written only when not neutral.
+        if self.input_embedding_scale != 1.0:
+            dflash["input_embedding_scale"] = self.input_embedding_scale
+        if self.output_multiplier != 1.0:
+            dflash["output_multiplier"] = self.output_multiplier
+        if self.final_logit_softcapping:
+            dflash["final_logit_softcapping"] = self.final_logit_softcapping
         out: dict[str, Any] = {
             "architectures": [ARCHITECTURE],
             "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
-            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
             "block_size": self.block_size,
             "bos_token_id": self.bos_token_id,
             "dflash_config": dflash,
@@ -340,7 +397,7 @@ class DFlashConfig:
             "num_key_value_heads": self.num_key_value_heads,
             "num_target_layers": self.num_target_layers,
             "rms_norm_eps": self.rms_norm_eps,
-            "rope_scaling": None,
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
             "rope_theta": self.rope_theta,
             "sliding_window": self.sliding_window if uses_window else None,
             "tie_word_embeddings": False,
@@ -348,8 +405,8 @@ class DFlashConfig:
             "use_sliding_window": uses_window,
             "vocab_size": self.vocab_size,
         }
-        if self.causal:
-            out["is_causal"] = True
+        if self.causal is not None:
+            out["is_causal"] = self.causal
         if self.flashdraft:
             out["flashdraft"] = self.flashdraft
         for key, value in self.extra.items():
@@ -389,8 +446,12 @@ class DFlashConfig:
         intermediate_size: int | None = None,
         num_target_features: int = 5,
         vocab_size: int | None = None,
+        input_embedding_scale: float | None = None,
     ) -> DFlashConfig:
-        """A drafter config with the target's widths (hidden, heads, head_dim, RoPE), as z-lab's drafters have."""
+        """A drafter config with the target's widths (hidden, heads, head_dim, RoPE), as z-lab's drafters have.
+        The drafter's block input and logits are the target's own: `input_embedding_scale` is the target's embedding
+        scale (`Target.input_embedding_scale` when a loaded target is at hand; from the config otherwise) and the
+        target's logit soft-capping, if any, caps the draft logits too."""
         tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         n_target = int(tc.num_hidden_layers)
         # A target without attention (Mamba2) has no head count to copy: heads of 64 (or 128) dimensions.
@@ -403,6 +464,8 @@ class DFlashConfig:
             tc.hidden_size // heads
         )
         rope_theta = _rope_theta_of(tc)
+        if input_embedding_scale is None:
+            input_embedding_scale = embedding_scale_of(tc)
         if target_layer_ids is None:
             target_layer_ids = build_target_layer_ids(n_target, min(num_target_features, n_target))
         return cls(
@@ -422,9 +485,20 @@ class DFlashConfig:
             rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6) or 1e-6),
             rope_theta=rope_theta,
             max_position_embeddings=int(getattr(tc, "max_position_embeddings", 32768) or 32768),
+            input_embedding_scale=float(input_embedding_scale),
+            final_logit_softcapping=getattr(tc, "final_logit_softcapping", None) or None,
             bos_token_id=getattr(tc, "bos_token_id", None),
             eos_token_id=getattr(tc, "eos_token_id", None),
         )
+
+
+def embedding_scale_of(config: Any) -> float:
+    """The factor a target's embedding applies to its raw rows, from its config: sqrt(hidden_size) for the Gemma
+    families (their embedding is normalised by it), 1 otherwise. `Target.input_embedding_scale` reads the loaded
+    module instead."""
+    if str(getattr(config, "model_type", "")).startswith("gemma"):
+        return float(config.hidden_size) ** 0.5
+    return 1.0
 
 
 def _rope_theta_of(config: Any) -> float:

@@ -42,6 +42,7 @@ from .proposers import (
 from .sampling import SamplingParams
 from .target import Target, TargetError
 
+
 def batch_proposer(
     target: Target,
     draft: DFlashDraftModel | Callable[[], Proposer] | None,

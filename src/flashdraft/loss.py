@@ -12,14 +12,16 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .config import DFlashConfig
 from .target import Target
 
 
 class _FrozenHeadCrossEntropy(torch.autograd.Function):
     """sum_i w_i * [CE(q_i, y_i) + kl * KL(p_i || q_i)] for a frozen LM head, row chunk by row chunk, where
-    q_i = softmax(softcap(h_i W^T + b)) is the draft's distribution and p_i (optional) the target's own.
+    q_i = softmax(softcap(m * (h_i W^T + b))) is the draft's distribution (m: the drafter's output multiplier) and
+    p_i (optional) the target's own.
 
-    The head is frozen, so the only gradient is d/dh = w * ((1 + kl) q - onehot - kl p) * softcap' @ W. Computing it
+    The head is frozen, so the only gradient is d/dh = w * ((1 + kl) q - onehot - kl p) * softcap' * m @ W. Computing it
     in the forward, while each [chunk, V] logit block is still in cache-sized memory, replaces log_softmax, its
     backward and the zero-filled logit gradient (the elementwise passes over V that dominated a CPU step) with
     in-place ops, and never keeps more than one logit chunk alive (the memory bound the chunked LM head exists for).
@@ -37,6 +39,7 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
         weights,
         chunk_size,
         softcap,
+        multiplier,
         soft_probs,
         soft_entropy,
         soft_index,
@@ -54,6 +57,8 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
             e = min(n, s + chunk_size)
             y, w = labels[s:e], weights[s:e].float()
             logits = F.linear(hidden[s:e].to(weight.dtype), weight, bias).float()
+            if multiplier != 1.0:
+                logits.mul_(multiplier)
             if softcap:
                 capped = torch.tanh(logits.div_(softcap))
                 dcap = 1.0 - capped * capped  # d softcap(z) / dz
@@ -80,6 +85,8 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
             grad.mul_(w[:, None])
             if softcap:
                 grad.mul_(dcap)
+            if multiplier != 1.0:
+                grad.mul_(multiplier)
             grad_hidden[s:e] = (grad.to(weight.dtype) @ weight).float()
         ctx.save_for_backward(grad_hidden)
         ctx.hidden_dtype = hidden.dtype
@@ -89,7 +96,7 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, _grad_correct):  # type: ignore[override]
         (grad_hidden,) = ctx.saved_tensors
-        return (grad_hidden * grad_total).to(ctx.hidden_dtype), *([None] * 10)
+        return (grad_hidden * grad_total).to(ctx.hidden_dtype), *([None] * 11)
 
 
 @torch.no_grad()
@@ -110,6 +117,7 @@ def target_distribution(target: Target, last_hidden: torch.Tensor, chunk_size: i
 
 def weighted_block_loss(
     target: Target,
+    draft_config: DFlashConfig,
     hidden: torch.Tensor,
     labels: torch.Tensor,
     weights: torch.Tensor,
@@ -117,7 +125,9 @@ def weighted_block_loss(
     soft: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     kl_weight: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """sum_i w_i * CE(lm_head(hidden_i), label_i) over rows with w_i > 0, and per-row correctness (argmax == label).
+    """sum_i w_i * CE(draft logits(hidden_i), label_i) over rows with w_i > 0, and per-row correctness (argmax ==
+    label). Draft logits are the target's LM head with the drafter's output multiplier and soft-capping
+    (`model.draft_logits`).
 
     `soft` = (target probabilities [S, V], their entropies [S], row -> position index [rows]) adds
     `kl_weight` * KL(target || draft) per row (distillation from the target's own distribution).
@@ -131,15 +141,17 @@ def weighted_block_loss(
         soft_probs, soft_entropy, soft_index = soft[0], soft[1], soft[2][keep].to(hidden.device)
     if isinstance(head, torch.nn.Linear):
         return _FrozenHeadCrossEntropy.apply(
-            hidden, head.weight, head.bias, labels, weights, chunk_size, target._softcap,
-            soft_probs, soft_entropy, soft_index, float(kl_weight),
+            hidden, head.weight, head.bias, labels, weights, chunk_size, draft_config.final_logit_softcapping,
+            draft_config.output_multiplier, soft_probs, soft_entropy, soft_index, float(kl_weight),
         )  # fmt: skip
     if soft_probs is not None:
         raise ValueError("the KL term needs a plain linear LM head")
     # An unusual head module: let autograd differentiate it, checkpointing chunks on GPUs to bound memory.
 
     def chunk_loss(h: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = target.lm_head_logits(h)
+        logits = target.lm_head(h.to(head.weight.dtype)).float() * draft_config.output_multiplier
+        cap = draft_config.final_logit_softcapping
+        logits = torch.tanh(logits / cap) * cap if cap else logits
         return (F.cross_entropy(logits, y, reduction="none") * w).sum(), (logits.argmax(-1) == y)
 
     total = hidden.new_zeros((), dtype=torch.float32)

@@ -55,17 +55,43 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style RoPE (the Qwen3/Llama convention) evaluated at arbitrary absolute positions."""
+    """Neox-style RoPE (the Qwen3/Llama convention) evaluated at arbitrary absolute positions. A non-default
+    `rope_scaling` (linear, yarn, llama3) gets its frequencies and attention factor from transformers' own RoPE
+    functions, as z-lab's drafter (a transformers Qwen3 rotary embedding) does."""
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        head_dim, self.attention_factor = config.head_dim, 1.0
+        if config.rope_scaling:
+            from transformers import Qwen3Config
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            rope = {**config.rope_scaling, "rope_theta": config.rope_theta}
+            hf = Qwen3Config(
+                hidden_size=config.hidden_size,
+                num_attention_heads=config.num_attention_heads,
+                head_dim=head_dim,
+                max_position_embeddings=config.max_position_embeddings,
+                rope_parameters=rope,
+            )
+            with torch.device(
+                "cpu"
+            ):  # real numbers even while a checkpoint is being built on the meta device
+                inv_freq, self.attention_factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, "cpu")
+            inv_freq = inv_freq.float()
+        else:
+            inv_freq = 1.0 / (
+                config.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+            )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq.to(positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)  # [b, s, head_dim]
-        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # broadcast over heads
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]  # broadcast over heads
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -163,6 +189,26 @@ class DFlashDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def block_inputs(config: DFlashConfig, embedding_weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The drafter's input for block token ids, as z-lab computes it: the target's raw embedding rows times
+    `input_embedding_scale` (the target's embedding module, its scaling or extra norm, is not applied)."""
+    rows = F.embedding(ids, embedding_weight)
+    return rows * config.input_embedding_scale if config.input_embedding_scale != 1.0 else rows
+
+
+def draft_logits(
+    config: DFlashConfig, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """float32 draft logits from the target's LM head: times `output_multiplier`, then soft-capped by
+    `final_logit_softcapping` (in that order, as z-lab's reference). `hidden` must be 2-D rows: a 3-D strided input
+    would send the head through bmm with a copy of the whole weight."""
+    logits = F.linear(hidden.to(weight.dtype), weight, bias).float()
+    if config.output_multiplier != 1.0:
+        logits = logits * config.output_multiplier
+    cap = config.final_logit_softcapping
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
 # The position of padding in a batched context: later than any anchor, so the mask rule (context < anchor) hides it.
 PAD_POSITION = 1 << 30
 
@@ -193,7 +239,7 @@ class DFlashDraftModel(nn.Module):
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.rotary_emb = RotaryEmbedding(config)
         # Multi-block (training) attention: "auto" = FlexAttention block mask on CUDA, dense boolean mask elsewhere.
         self.attention_backend = "auto"
         self.reset_parameters()
@@ -300,14 +346,16 @@ class DFlashDraftModel(nn.Module):
         """Boolean [b, 1, q, c+q] masks (True = attend) per layer type, FlexAttention BlockMasks when that backend is
         on, or None where everything is visible.
 
-        A query of block j sees context positions < anchor_j and its own block; `sliding_attention` layers (or a
-        causal config) are causal inside the block and only see keys within `sliding_window` positions.
+        A query of block j sees context positions < anchor_j and its own block; a causal layer (`sliding_attention`
+        unless `is_causal` says otherwise, every layer when it is true) sees only block keys up to itself, and
+        `sliding_attention` layers only keys within `sliding_window` positions.
         """
         b, q_len = block_positions.shape
         blk = q_len // num_blocks
-        need_causal = self.config.causal or SLIDING_ATTENTION in self.config.layer_types
+        need_causal = any(map(self.config.layer_is_causal, self.config.layer_types))
+        need_window = SLIDING_ATTENTION in self.config.layer_types
         masks: dict[str, torch.Tensor | None] = {}
-        if num_blocks == 1 and not need_causal and context_before_anchor:
+        if num_blocks == 1 and not need_causal and not need_window and context_before_anchor:
             # Inference fast path: one block, and all cached context lies before its anchor by construction.
             return {"full_attention": None, SLIDING_ATTENTION: None}
         device = block_positions.device
@@ -328,12 +376,13 @@ class DFlashDraftModel(nn.Module):
         for layer_type in set(self.config.layer_types):
             is_sliding = layer_type == SLIDING_ATTENTION
             ctx, blk_vis = ctx_visible, own_block
-            if is_sliding or self.config.causal:
+            if self.config.layer_is_causal(layer_type):
                 blk_vis = blk_vis & causal
-            if is_sliding:
+            if is_sliding:  # keys within the window of the query, on both sides (only behind when causal)
                 w = self.config.sliding_window
                 ctx = ctx & (context_positions[:, None, :] > block_positions[:, :, None] - w)
                 blk_vis = blk_vis & (block_positions[:, None, :] > block_positions[:, :, None] - w)
+                blk_vis = blk_vis & (block_positions[:, None, :] < block_positions[:, :, None] + w)
             masks[layer_type] = torch.cat([ctx, blk_vis], dim=-1)[:, None]
         return masks
 
@@ -344,7 +393,7 @@ class DFlashDraftModel(nn.Module):
 
         b, q_len = block_positions.shape
         c_len = context_positions.shape[1]
-        causal = layer_type == SLIDING_ATTENTION or self.config.causal
+        causal = self.config.layer_is_causal(layer_type)
         window = self.config.sliding_window if layer_type == SLIDING_ATTENTION else None
 
         def mask_mod(bi, _h, qi, ki):
@@ -357,7 +406,7 @@ class DFlashDraftModel(nn.Module):
             if causal:
                 visible = visible & (is_ctx | (key_pos <= q_pos))
             if window is not None:
-                visible = visible & (key_pos > q_pos - window)
+                visible = visible & (key_pos > q_pos - window) & (key_pos < q_pos + window)
             return visible
 
         return create_block_mask(
@@ -377,6 +426,7 @@ class DFlashDraftModel(nn.Module):
         intermediate_size: int | None = None,
         vocab_size: int | None = None,
         seed: int | None = None,
+        input_embedding_scale: float | None = None,
     ) -> DFlashDraftModel:
         """A fresh (untrained) drafter sized for `target_config` (a transformers config)."""
         config = DFlashConfig.for_target(
@@ -387,6 +437,7 @@ class DFlashDraftModel(nn.Module):
             target_layer_ids=target_layer_ids,
             intermediate_size=intermediate_size,
             vocab_size=vocab_size,
+            input_embedding_scale=input_embedding_scale,
         )
         if seed is not None:
             torch.manual_seed(seed)
@@ -449,7 +500,7 @@ class DFlashDraftModel(nn.Module):
         load_dtype = dtype or _DTYPES.get(config.dtype, next(iter(state.values())).dtype)
         model = model.to_empty(device=device or "cpu")
         model.load_state_dict({k: v.to(load_dtype) for k, v in state.items()}, strict=True)
-        model.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta).to(device or "cpu")
+        model.rotary_emb = RotaryEmbedding(config).to(device or "cpu")
         return model.to(load_dtype).eval()
 
     def num_parameters(self) -> int:

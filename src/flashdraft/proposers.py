@@ -35,11 +35,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from .costs import CostModel
 from .engine import GenerationError
-from .model import PAD_POSITION, DFlashDraftModel, DraftContextCache
+from .model import PAD_POSITION, DFlashDraftModel, DraftContextCache, block_inputs, draft_logits
 from .policy import AcceptanceTable, confidence_keys, confidence_table, expected_tokens
 from .target import Target, TargetError
 
@@ -132,7 +131,7 @@ class DFlashProposer(Proposer):
         block_positions = torch.arange(anchor_position, anchor_position + num_tokens + 1, device=device)[None]
         context_positions = torch.arange(context_start, anchor_position, device=device)[None]
         hidden = self.draft(
-            self.target.embed(block_ids),
+            self.block_inputs(block_ids),
             block_positions,
             target_features=pending,
             context_positions=context_positions,
@@ -143,11 +142,12 @@ class DFlashProposer(Proposer):
         return self.head_logits(hidden[0, 1:])
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[rows, V] float32 logits of the target's LM head (in the drafter's precision) for [rows, H] states.
-        Rows must be 2-D: a 3-D strided input would send the head through bmm with a copy of the whole weight."""
-        logits = F.linear(hidden.to(self.head_weight.dtype), self.head_weight, self.head_bias).float()
-        softcap = self.target._softcap
-        return torch.tanh(logits / softcap) * softcap if softcap else logits
+        """[rows, V] float32 draft logits of the target's LM head (in the drafter's precision) for [rows, H] states,
+        with the drafter's output multiplier and soft-capping."""
+        return draft_logits(self.draft.config, hidden, self.head_weight, self.head_bias)
+
+    def block_inputs(self, block_ids: torch.Tensor) -> torch.Tensor:
+        return block_inputs(self.draft.config, self.target.embed_tokens.weight, block_ids)
 
     @torch.no_grad()
     def draft_confidences(
@@ -427,7 +427,7 @@ class BatchedDFlashProposer(BatchProposer):
         c = self.cache
         c.ragged = b > 1 or (c.positions is not None and bool((c.positions == PAD_POSITION).any()))
         hidden = self.draft(
-            self.target.embed(block_ids),
+            self.single.block_inputs(block_ids),
             block_positions,
             target_features=features,
             context_positions=context_positions,

@@ -154,6 +154,13 @@ class Target:
                 self.embed_tokens.embed_norm = embed_norm
         return out * self._embed_scale if self._embed_scale != 1.0 else out
 
+    @property
+    def input_embedding_scale(self) -> float:
+        """The factor `embed` applies to the raw embedding rows (Gemma's sqrt(H), 1 for most families): what a
+        drafter made for this target writes as its `input_embedding_scale`."""
+        module_scale = getattr(self.embed_tokens, "embed_scale", 1.0)
+        return float(module_scale) * self._embed_scale
+
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
         if self._softcap:

@@ -30,10 +30,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .config import DFlashConfig
 from .export import evaluate_tau
 from .files import atomic_write, atomic_write_text
 from .loss import target_distribution, weighted_block_loss
-from .model import DFlashDraftModel
+from .model import DFlashDraftModel, block_inputs
 from .progress import progress_bar
 from .target import Target
 
@@ -103,6 +104,11 @@ def make_blocks(
     )
 
 
+def _config(draft: torch.nn.Module) -> DFlashConfig:
+    """The drafter's config, through a DDP wrapper."""
+    return getattr(draft, "module", draft).config
+
+
 def draft_hidden_for_blocks(
     draft: torch.nn.Module, target: Target, features: torch.Tensor, blocks: Blocks, num_blocks: int
 ) -> torch.Tensor:
@@ -110,7 +116,7 @@ def draft_hidden_for_blocks(
     The drafter's attention rule keeps block j to context < anchor_j and to itself. Returns [N*B, H]."""
     seq_len = features.shape[0]
     device = features.device
-    block_embeds = target.embed(blocks.input_ids.to(device))[None]
+    block_embeds = block_inputs(_config(draft), target.embed_tokens.weight, blocks.input_ids.to(device))[None]
     context_positions = torch.arange(seq_len, device=device)[None]
     hidden = draft(
         block_embeds,
@@ -157,7 +163,7 @@ def draft_hidden_for_padded_blocks(
     device = features.device
     context_positions = torch.arange(s_max, device=device).repeat(k, 1)
     return draft(
-        target.embed(blocks.input_ids.to(device)),
+        block_inputs(_config(draft), target.embed_tokens.weight, blocks.input_ids.to(device)),
         blocks.positions.to(device),
         target_features=features,
         context_positions=context_positions,
@@ -259,6 +265,7 @@ class Trainer:
                     intermediate_size=config.intermediate_size,
                     vocab_size=target.vocab_size,
                     seed=config.seed,
+                    input_embedding_scale=target.input_embedding_scale,
                 )
                 if config.init_layers == "target-top":
                     init_layers_from_target(draft, target)
@@ -374,7 +381,7 @@ class Trainer:
                     probs, entropy = target_distribution(self.target, last_hidden, self.cfg.lm_head_chunk)
                     soft = (probs, entropy, (blocks.positions - 1).clamp(0, last_hidden.shape[0] - 1))
                 part, correct = weighted_block_loss(
-                    self.target, hidden, blocks.labels, blocks.weights, self.cfg.lm_head_chunk,
+                    self.target, self.draft.config, hidden, blocks.labels, blocks.weights, self.cfg.lm_head_chunk,
                     soft=soft, kl_weight=self.cfg.kl_weight,
                 )  # fmt: skip
                 yield part, blocks.weights, correct, n
@@ -394,7 +401,12 @@ class Trainer:
             )
         weights = blocks.weights.flatten()
         part, correct = weighted_block_loss(
-            self.target, hidden.flatten(0, 1), blocks.labels.flatten(), weights, self.cfg.lm_head_chunk
+            self.target,
+            self.draft.config,
+            hidden.flatten(0, 1),
+            blocks.labels.flatten(),
+            weights,
+            self.cfg.lm_head_chunk,
         )
         yield part, weights, correct, sum(n for _, _, n in mb)
 

@@ -138,9 +138,7 @@ class Engine:
         self.block_size = block_size
         self.max_queue = max_queue
         self.max_batch_size = max_batch_size
-        self.decoder = BatchDecoder(
-            target, batch_proposer(target, draft, block_size, costs), max_batch_size
-        )
+        self.decoder = BatchDecoder(target, batch_proposer(target, draft, block_size, costs), max_batch_size)
         self._queue: queue.Queue[RequestHandle | None] = queue.Queue(maxsize=max_queue)
         self._closing = False
         self.steps_by_rows: Counter[int] = Counter()  # decode steps by the number of rows they advanced
