@@ -125,26 +125,28 @@ def test_measured_costs_are_positive_and_cover_the_block(tiny):
 
 
 def test_noisy_costs_never_extrapolate_to_cheaper_or_negative():
-    """Noisy measurements (a busy machine) where 32 tokens timed faster than 8: the prices are the least-squares
-    non-decreasing fit (8 and 32 pooled at their mean), extrapolation past 32 keeps at least the last price, and
-    nothing is priced at or below zero."""
+    """Noisy measurements (a busy machine) where 32 tokens timed faster than 8 and a negative context slope:
+    within the measured lengths the prices are the measurements, extrapolation past 32 never falls below the last
+    price, and nothing is priced at or below zero."""
     noisy = CostModel(lengths=[1, 8, 32], verify_base=[0.010, 0.020, 0.004], verify_slope=[0.0, 0.0, -0.001])
     assert all(float(noisy.verify_s(n, 100)) > 0 for n in (1, 4, 8, 16, 32, 64, 256))
     at_8, at_32, at_256 = (float(noisy.verify_s(n, 0)) for n in (8, 32, 256))
-    assert at_8 == pytest.approx(0.012) and at_32 == pytest.approx(0.012) and at_256 >= at_32 - 1e-9
+    assert at_8 == pytest.approx(0.020) and at_32 == pytest.approx(0.004) and at_256 >= at_32 - 1e-9
+    assert float(noisy.verify_s(256, 0)) == pytest.approx(
+        float(noisy.verify_s(64, 0))
+    )  # the drop is not extended
 
 
-def test_verify_prices_never_fall_with_length():
-    """A dip in the measured curve (4 tokens timed slower than 8, as on a busy CPU) is pooled with its neighbours;
-    the prices are non-decreasing in n and keep the measured mean of the pooled lengths."""
+def test_verify_prices_follow_the_measurements_where_longer_is_cheaper():
+    """A CPU whose GEMM kernels run 5-8 rows faster than 2-4 (the measured curve below, seen in every session on
+    the benchmark machine): the prices are the measurements, dip included, so the policy may verify 5 where 4 costs
+    more, and interpolate in between."""
     lengths = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16]
     base = [1.00, 1.61, 1.95, 2.12, 1.61, 1.60, 1.49, 1.72, 1.61, 1.76]
     costs = CostModel(lengths=lengths, verify_base=base, verify_slope=[0.0] * len(lengths))
-    prices = [float(costs.verify_s(n, 0)) for n in lengths]
-    assert all(a <= b + 1e-6 for a, b in zip(prices, prices[1:], strict=False))
-    assert sum(prices) == pytest.approx(sum(base), rel=1e-5)  # pooling keeps the mean
-    assert prices[0] == pytest.approx(1.0) and prices[1] == pytest.approx(1.61)
-    assert prices[2] == pytest.approx(prices[8]) and prices[9] == pytest.approx(1.76)
+    assert [float(costs.verify_s(n, 0)) for n in lengths] == pytest.approx(base)
+    assert float(costs.verify_s(7, 0)) == pytest.approx((1.60 + 1.49) / 2)
+    assert float(costs.verify_s(5, 0)) < float(costs.verify_s(4, 0))
 
 
 def test_the_drafter_is_probed_before_lookup_can_win(tiny):

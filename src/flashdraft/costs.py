@@ -35,9 +35,11 @@ class CostModel:
         n = torch.as_tensor(n, dtype=torch.float32)
         xs = torch.tensor(self.lengths, dtype=torch.float32)
         ys = torch.tensor(self.verify_base) + torch.tensor(self.verify_slope) * context
-        # Timing noise (a busy machine) must never price a verify at or below zero, nor a longer verify below a
-        # shorter one (noise that would send the policy to whichever length happened to time fast).
-        return _interp(n, xs, _non_decreasing(ys.clamp(min=1e-6)))
+        # Priced as measured: a longer verify can really cost less than a shorter one (on the 2-core AMD EPYC of
+        # benchmarks/README.md, 5-8 tokens verify faster than 2-4, in every session: the CPU's GEMM kernels differ
+        # by row count), and pricing a smoothed curve made the policy verify 8 where 5 was cheaper (1.51x vs
+        # 1.86x). Timing noise must never price a verify at or below zero.
+        return _interp(n, xs, ys.clamp(min=1e-6))
 
     def step_s(self, max_proposals: int, context: int, propose_s: float) -> torch.Tensor:
         """[max_proposals + 1]: seconds of a step that verifies 0..max_proposals proposals after paying propose_s."""
@@ -64,19 +66,6 @@ class CostModel:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CostModel:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
-
-
-def _non_decreasing(ys: torch.Tensor) -> torch.Tensor:
-    """The least-squares non-decreasing fit of `ys` (pool adjacent violators): one verify forward over more tokens
-    does more work, so a measured dip is noise, averaged with its neighbours."""
-    pools: list[list[float]] = []  # [sum, count] of each pooled run
-    for y in ys.tolist():
-        pools.append([y, 1])
-        while len(pools) > 1 and pools[-2][0] * pools[-1][1] > pools[-1][0] * pools[-2][1]:
-            total, count = pools.pop()
-            pools[-1][0] += total
-            pools[-1][1] += count
-    return torch.tensor([total / count for total, count in pools for _ in range(int(count))], dtype=ys.dtype)
 
 
 def _interp(x: torch.Tensor, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
