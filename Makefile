@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN        := $(VENV)/bin
 STAMP      := $(VENV)/.flashdraft-installed
 
-.PHONY: venv test test-slow test-all test-compat lint demo clean
+.PHONY: venv test test-slow test-all test-compat test-zlab lint demo clean
 
 venv: $(STAMP)
 
@@ -38,6 +38,18 @@ test-compat:
 	$(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_model.py tests/test_generate.py \
 		tests/test_train.py tests/test_batch.py -k "not ddp and not short_cpu"
 
+# Conformance with z-lab's reference package (PyPI dflash==0.1.0, at the transformers it pins), kept out of the
+# default install: drafters it builds decode the same in flashdraft, and drafters flashdraft writes in it.
+ZLAB_VENV ?= .venv-zlab
+test-zlab:
+	test -x $(ZLAB_VENV)/bin/python || $(PYTHON) -m venv $(ZLAB_VENV)
+	$(ZLAB_VENV)/bin/python -m pip install -q --upgrade pip
+	$(ZLAB_VENV)/bin/python -m pip install --progress-bar off "$(TORCH_SPEC)" "transformers==5.15.0"
+	$(ZLAB_VENV)/bin/python -m pip install --progress-bar off --no-deps "dflash==0.1.0"
+	$(ZLAB_VENV)/bin/python -m pip install --progress-bar off -e ".[test]"
+	$(ZLAB_VENV)/bin/python -c "import dflash.model"  # fail here, not as skipped tests, if it did not install
+	$(ZLAB_VENV)/bin/python -m pytest -q -p no:cacheprovider -m zlab tests/test_zlab.py
+
 test-all: venv
 	$(BIN)/python -m pytest -q
 
@@ -63,4 +75,4 @@ export DEMO_PROMPT
 DEMO_DRAFT ?= drafters/smollm2-135m-instruct
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(COMPAT_VENV) $(ZLAB_VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

@@ -131,8 +131,9 @@ def test_sliding_layers_config():
     ("change", "message"),
     [
         ({"attention_sink_bias": True}, "attention sinks"),
-        ({"architectures": ["DFlash2DraftModel"]}, "not a DFlash drafter"),
-        ({"dflash_config": {"mask_token_id": 1, "selector_rank": 256}}, "DFlash2 candidate selector"),
+        ({"architectures": ["EagleDraftModel"]}, "not a DFlash drafter"),
+        ({"architectures": ["DFlash2DraftModel"]}, "DFlash2 drafter config is missing 'conv_kernel_size'"),
+        ({"dflash_config": {"mask_token_id": 1, "selector_rank": 256}}, "'selector_rank' belongs to DFlash2"),
         ({"dflash_config": {"mask_token_id": 1, "mystery": 3}}, "unknown dflash_config fields"),
         ({"dflash_config": {"mask_token_id": 151936}}, "outside the vocabulary"),
         ({"dflash_config": {"mask_token_id": 1, "target_layer_ids": [1, 36]}}, "outside the target"),

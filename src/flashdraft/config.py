@@ -2,14 +2,14 @@
 
 A z-lab drafter config is a Qwen3 config (`model_type: "qwen3"`) plus DFlash fields:
 
-    architectures        ["DFlashDraftModel"]
+    architectures        ["DFlashDraftModel"], or ["DFlash2DraftModel"] with DFlash2's conv_* and selector_* keys
     num_target_layers    number of decoder layers of the target (only used for the default layer taps)
     block_size           top level in older files, inside `dflash_config` in newer ones (we read both)
     dflash_config        {"mask_token_id": int, "target_layer_ids": [ints], ...}
 
 `target_layer_ids` are 0-based ids of target decoder layers whose OUTPUT is tapped, i.e. Hugging Face
 `hidden_states[id + 1]`. Fields that would change the drafter's semantics but that this implementation does not
-implement (attention sinks, DFlash2 selectors, partial RoPE, ...) are refused, because loading them silently would
+implement (attention sinks, partial RoPE, ...) are refused, because loading them silently would
 only show up later as a collapsed acceptance rate.
 """
 
@@ -26,6 +26,10 @@ from .files import atomic_write_text
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 ARCHITECTURE = "DFlashDraftModel"
+ARCHITECTURE_V2 = "DFlash2DraftModel"
+# DFlash2's keys (in dflash_config, or at the top level): the grouped dynamic causal convolutions around each
+# sublayer and the candidate selector. All four are required by a DFlash2 drafter and refused by a v1 one.
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
@@ -48,6 +52,7 @@ _KNOWN_DFLASH_KEYS = {
     "input_embedding_scale",
     "output_multiplier",
     "final_logit_softcapping",
+    *DFLASH2_KEYS,
     # Training metadata only; harmless for inference.
     "num_anchors",
     "loss_decay_gamma",
@@ -57,10 +62,6 @@ _KNOWN_DFLASH_KEYS = {
 _REFUSED_FIELDS = {
     "attention_sink_bias": "attention sinks (MiMo-style drafters)",
     "attention_value_scale": "a value-scaling attention variant",
-    "conv_group_size": "DFlash2 local convolution",
-    "conv_kernel_size": "DFlash2 local convolution",
-    "selector_rank": "DFlash2 candidate selector",
-    "selector_top_k": "DFlash2 candidate selector",
     "backbone_rotary_base": "a separate RoPE base for target features",
     "sample_from_anchor": "the DSpark anchor-sampling layout",
 }
@@ -120,6 +121,13 @@ class DFlashConfig:
     # Draft logits = lm_head(h) * output_multiplier, then tanh(x / c) * c with c = final_logit_softcapping (if set).
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    # DFlash2 (None for a v1 drafter): a grouped dynamic causal convolution of `conv_kernel_size` taps before and
+    # after each attention and MLP sublayer (one dynamic kernel per group of `conv_group_size` channels), and a
+    # candidate selector walking the `selector_top_k` best tokens of every slot with a rank-`selector_rank` term.
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
     hidden_act: str = "silu"
     initializer_range: float = 0.02
     dtype: str = "bfloat16"
@@ -135,6 +143,14 @@ class DFlashConfig:
         if not self.layer_types:
             self.layer_types = [FULL_ATTENTION] * self.num_hidden_layers
         self.validate()
+
+    @property
+    def is_dflash2(self) -> bool:
+        return self.conv_kernel_size is not None
+
+    @property
+    def architecture(self) -> str:
+        return ARCHITECTURE_V2 if self.is_dflash2 else ARCHITECTURE
 
     def layer_is_causal(self, layer_type: str) -> bool:
         """Whether a layer of this type is causal inside the block (z-lab: `is_causal` if set, else sliding)."""
@@ -172,6 +188,19 @@ class DFlashConfig:
                     f"target layer id {i} is outside the target's {self.num_target_layers} decoder layers "
                     f"(valid ids are 0..{self.num_target_layers - 1})"
                 )
+        v2 = [getattr(self, key) for key in DFLASH2_KEYS]
+        if any(v is not None for v in v2):
+            if any(v is None for v in v2):
+                missing = [k for k, v in zip(DFLASH2_KEYS, v2, strict=True) if v is None]
+                raise DFlashConfigError(f"a DFlash2 drafter needs {', '.join(missing)} as well")
+            if self.hidden_size % self.conv_group_size:
+                raise DFlashConfigError(
+                    f"conv_group_size {self.conv_group_size} does not divide hidden_size {self.hidden_size}"
+                )
+            if self.selector_top_k > self.vocab_size:
+                raise DFlashConfigError(
+                    f"selector_top_k {self.selector_top_k} exceeds the vocabulary ({self.vocab_size})"
+                )
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise DFlashConfigError(
                 f"mask_token_id {self.mask_token_id} is outside the vocabulary (0..{self.vocab_size - 1})"
@@ -186,11 +215,12 @@ class DFlashConfig:
     def from_dict(cls, raw: dict[str, Any]) -> DFlashConfig:
         d = copy.deepcopy(raw)
         archs = d.pop("architectures", None) or [ARCHITECTURE]
-        if ARCHITECTURE not in archs:
+        if ARCHITECTURE not in archs and ARCHITECTURE_V2 not in archs:
             raise DFlashConfigError(
-                f"architectures={archs}: this is not a DFlash drafter (expected {ARCHITECTURE!r}); "
-                "DFlash2 and other variants are not supported"
+                f"architectures={archs}: this is not a DFlash drafter (expected {ARCHITECTURE!r} or "
+                f"{ARCHITECTURE_V2!r})"
             )
+        is_v2 = ARCHITECTURE_V2 in archs
         model_type = d.pop("model_type", "qwen3")
         if model_type != "qwen3":
             raise DFlashConfigError(
@@ -251,6 +281,18 @@ class DFlashConfig:
         output_multiplier = positive("output_multiplier", draft_value("output_multiplier", 1.0))
         softcap = draft_value("final_logit_softcapping", 0.0)
         final_logit_softcapping = positive("final_logit_softcapping", softcap) if softcap else None
+        dflash2: dict[str, int | None] = {}
+        for key in DFLASH2_KEYS:
+            value = draft_value(key, None)
+            if value is not None and not is_v2:
+                raise DFlashConfigError(
+                    f"config field {key!r} belongs to DFlash2 drafters, but architectures is {archs}"
+                )
+            if is_v2 and value is None:
+                raise DFlashConfigError(f"DFlash2 drafter config is missing {key!r} (in dflash_config)")
+            if is_v2 and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise DFlashConfigError(f"DFlash2 config field {key!r}={value!r} must be a positive integer")
+            dflash2[key] = value
 
         block_size = dflash.get("block_size", d.get("block_size"))
         both = dflash.get("block_size") is not None and d.get("block_size") is not None
@@ -335,6 +377,7 @@ class DFlashConfig:
             input_embedding_scale=input_embedding_scale,
             output_multiplier=output_multiplier,
             final_logit_softcapping=final_logit_softcapping,
+            **dflash2,
             hidden_act=hidden_act,
             initializer_range=float(d.pop("initializer_range", 0.02)),
             dtype=str(dtype),
@@ -374,8 +417,10 @@ class DFlashConfig:
             dflash["output_multiplier"] = self.output_multiplier
         if self.final_logit_softcapping:
             dflash["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.is_dflash2:
+            dflash.update({key: getattr(self, key) for key in DFLASH2_KEYS})
         out: dict[str, Any] = {
-            "architectures": [ARCHITECTURE],
+            "architectures": [self.architecture],
             "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
             "block_size": self.block_size,
@@ -447,11 +492,16 @@ class DFlashConfig:
         num_target_features: int = 5,
         vocab_size: int | None = None,
         input_embedding_scale: float | None = None,
+        arch: str = "dflash",
     ) -> DFlashConfig:
         """A drafter config with the target's widths (hidden, heads, head_dim, RoPE), as z-lab's drafters have.
         The drafter's block input and logits are the target's own: `input_embedding_scale` is the target's embedding
         scale (`Target.input_embedding_scale` when a loaded target is at hand; from the config otherwise) and the
-        target's logit soft-capping, if any, caps the draft logits too."""
+        target's logit soft-capping, if any, caps the draft logits too. `arch="dflash2"` adds DFlash2's convolutions
+        (kernel 2, groups of 16 channels) and candidate selector (top 16, rank 256 capped at the hidden size), the
+        published Qwen3.8-27B-DFlash2 settings."""
+        if arch not in ARCHS:
+            raise DFlashConfigError(f"unknown drafter architecture {arch!r} (choose from {', '.join(ARCHS)})")
         tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         n_target = int(tc.num_hidden_layers)
         # A target without attention (Mamba2) has no head count to copy: heads of 64 (or 128) dimensions.
@@ -487,9 +537,27 @@ class DFlashConfig:
             max_position_embeddings=int(getattr(tc, "max_position_embeddings", 32768) or 32768),
             input_embedding_scale=float(input_embedding_scale),
             final_logit_softcapping=getattr(tc, "final_logit_softcapping", None) or None,
+            **(
+                _dflash2_defaults(int(tc.hidden_size), int(vocab_size or tc.vocab_size))
+                if arch == "dflash2"
+                else {}
+            ),
             bos_token_id=getattr(tc, "bos_token_id", None),
             eos_token_id=getattr(tc, "eos_token_id", None),
         )
+
+
+ARCHS = ("dflash", "dflash2")
+
+
+def _dflash2_defaults(hidden_size: int, vocab_size: int) -> dict[str, int]:
+    group = 16 if hidden_size % 16 == 0 else next(g for g in (8, 4, 2, 1) if hidden_size % g == 0)
+    return {
+        "conv_kernel_size": 2,
+        "conv_group_size": group,
+        "selector_rank": min(256, hidden_size),
+        "selector_top_k": min(16, vocab_size),
+    }
 
 
 def embedding_scale_of(config: Any) -> float:

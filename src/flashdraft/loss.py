@@ -4,6 +4,13 @@
 
 computed chunk by chunk of rows, so the full [rows, V] logits are never materialised with their gradient
 (`_FrozenHeadCrossEntropy`); `target_distribution` gives the target's own next-token distribution for the KL term.
+
+DFlash2 drafters add `selector_loss`, the candidate selector's cross-entropy over each slot's top-k candidates:
+
+    + selector_weight * sum_k w_k CE(score(. | y_{k-1}, h_k), y_k) / sum w      (slots whose y_k is a candidate)
+
+with the true previous token as predecessor (the anchor for slot 1), as the public DFlash2 trainers (SpecForge,
+NeMo) train it; a slot whose label is not among its candidates has nothing to select and adds nothing.
 """
 
 from __future__ import annotations
@@ -165,3 +172,47 @@ def weighted_block_loss(
         total = total + loss
         correct.append(ok)
     return total, torch.cat(correct) if correct else torch.zeros(0, dtype=torch.bool)
+
+
+def selector_loss(
+    selector: torch.nn.Module,
+    target: Target,
+    draft_config: DFlashConfig,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    block_size: int,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum_k w_k CE of the DFlash2 candidate selector over slots whose label is among the slot's top-k draft
+    candidates, how many such slots) for draft hidden states [N*B, H] of N blocks of `block_size` slots, flattened
+    as `weights`, with same-position `labels` (slot 0's label is the anchor). Gradients reach the selector and,
+    through the candidates' logits and the projected states, the drafter."""
+    head = target.lm_head
+    weight, bias = head.weight, getattr(head, "bias", None)
+    labels = labels.to(hidden.device)
+    weights = weights.to(hidden.device)
+    # Predecessor of slot k: the label of slot k - 1 (slot 0 has weight 0, so wrapping there is never used).
+    predecessors = labels.view(-1, block_size).roll(1, dims=1).flatten()
+    keep = weights > 0
+    h, y, w, prev = hidden[keep], labels[keep], weights[keep], predecessors[keep]
+    top_k = selector.top_k
+    candidates = torch.empty(h.shape[0], top_k, dtype=torch.long, device=h.device)
+    with torch.no_grad():  # the multiplier (> 0) and soft-capping keep the order: rank the raw logits
+        for s in range(0, h.shape[0], chunk_size):
+            raw = F.linear(h[s : s + chunk_size].to(weight.dtype), weight, bias)
+            candidates[s : s + chunk_size] = raw.topk(top_k, dim=-1).indices
+    unary = (weight[candidates] @ h.to(weight.dtype)[:, :, None])[..., 0].float()  # [rows, k]
+    if bias is not None:
+        unary = unary + bias[candidates].float()
+    unary = unary * draft_config.output_multiplier
+    cap = draft_config.final_logit_softcapping
+    unary = torch.tanh(unary / cap) * cap if cap else unary
+    projected = selector.hidden_projection(h.to(selector.hidden_projection.weight.dtype))
+    scores = selector.scores(projected, unary, candidates, prev)  # [rows, k]
+    hit = candidates == y[:, None]
+    present = hit.any(-1)
+    ce = F.cross_entropy(scores, hit.float().argmax(-1), reduction="none")
+    # Every selector weight takes part in the graph, also when no slot's label is a candidate (DDP expects it).
+    total = (ce * w * present).sum() + 0.0 * sum(p.sum() for p in selector.parameters())
+    return total, present.sum()

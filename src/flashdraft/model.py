@@ -9,6 +9,10 @@ Data flow for one draft pass (paper §3, reference `dflash/model.py`):
                     RoPE at absolute positions (context j -> j, slot k -> anchor + k)
     norm(output) -> the target's LM head (not part of the drafter)
 
+DFlash2 (z-lab, `DFlash2DraftModel`) wraps each attention and MLP sublayer in a grouped dynamic causal convolution
+over the block's slots (`GroupedDynamicCausalConv`) and replaces each slot's argmax by a walk through the top-k
+candidates of every slot (`CandidateSelector`); the rest, weights and cache included, is v1's.
+
 The projected context K/V of each layer are kept in a `DraftContextCache` that grows only with accepted tokens;
 the block's own K/V are never stored. One attention rule serves inference and training alike: a query in block b
 sees context positions strictly before its anchor and the keys of its own block (all of them in
@@ -27,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import CONFIG_NAME, SLIDING_ATTENTION, WEIGHTS_NAME, DFlashConfig, DFlashConfigError
+from .dflash2 import CandidateSelector, GroupedDynamicCausalConv
 from .files import atomic_write
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -183,10 +188,23 @@ class DFlashDecoderLayer(nn.Module):
         self.self_attn = DFlashAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DFlashMLP(config.hidden_size, config.intermediate_size)
+        self.attention_conv = self.mlp_conv = None
+        if config.is_dflash2:
+            h, k, g = config.hidden_size, config.conv_kernel_size, config.conv_group_size
+            self.attention_conv = GroupedDynamicCausalConv(h, k, g)
+            self.mlp_conv = GroupedDynamicCausalConv(h, k, g)
 
-    def forward(self, x, cos, sin, context_k, context_v, mask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_k, context_v, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, context_k, context_v, mask, block_len: int) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.attention_conv is None:
+            x = x + self.self_attn(h, cos, sin, context_k, context_v, mask)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        h, dyn = self.attention_conv.prepare(h, block_len)
+        x = x + self.attention_conv.finish(
+            self.self_attn(h, cos, sin, context_k, context_v, mask), dyn, block_len
+        )
+        h, dyn = self.mlp_conv.prepare(self.post_attention_layernorm(x), block_len)
+        return x + self.mlp_conv.finish(self.mlp(h), dyn, block_len)
 
 
 def block_inputs(config: DFlashConfig, embedding_weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -229,7 +247,8 @@ class DraftContextCache:
 
 
 class DFlashDraftModel(nn.Module):
-    """z-lab compatible DFlash drafter. Weights: `layers.N.*`, `fc`, `hidden_norm`, `norm` (no embedding/head)."""
+    """z-lab compatible DFlash drafter. Weights: `layers.N.*`, `fc`, `hidden_norm`, `norm` (no embedding/head);
+    DFlash2 adds `layers.N.{attention,mlp}_conv.*` and `candidate_selector.*`."""
 
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
@@ -239,6 +258,7 @@ class DFlashDraftModel(nn.Module):
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.candidate_selector = CandidateSelector(config) if config.is_dflash2 else None
         self.rotary_emb = RotaryEmbedding(config)
         # Multi-block (training) attention: "auto" = FlexAttention block mask on CUDA, dense boolean mask elsewhere.
         self.attention_backend = "auto"
@@ -253,6 +273,9 @@ class DFlashDraftModel(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+        for module in self.modules():  # after the Linear pass: these zero some of their Linear children
+            if isinstance(module, (GroupedDynamicCausalConv, CandidateSelector)):
+                module.reset_parameters(std)
 
     @property
     def block_size(self) -> int:
@@ -333,8 +356,19 @@ class DFlashDraftModel(nn.Module):
                     cache.keys[i] = torch.cat([cache.keys[i], ctx_k], dim=2)
                     cache.values[i] = torch.cat([cache.values[i], ctx_v], dim=2)
                 ctx_k, ctx_v = cache.keys[i], cache.values[i]
-            x = layer(x, cos_q, sin_q, ctx_k, ctx_v, masks[layer.layer_type])
+            x = layer(x, cos_q, sin_q, ctx_k, ctx_v, masks[layer.layer_type], q_len // num_blocks)
         return self.norm(x)
+
+    def propose_tokens(
+        self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy drafts and the drafter's confidence in each, for the slots after the anchor: [b, n] and [b, n]
+        from hidden states [b, n, H] and draft logits [b, n, V]. v1: each slot's argmax and its probability;
+        DFlash2: the candidate selector's path from `anchors` [b]."""
+        if self.candidate_selector is not None:
+            return self.candidate_selector.select(hidden, logits, anchors)
+        probs, tokens = logits.softmax(-1).max(-1)
+        return tokens, probs
 
     def _attention_masks(
         self,
@@ -427,6 +461,7 @@ class DFlashDraftModel(nn.Module):
         vocab_size: int | None = None,
         seed: int | None = None,
         input_embedding_scale: float | None = None,
+        arch: str = "dflash",
     ) -> DFlashDraftModel:
         """A fresh (untrained) drafter sized for `target_config` (a transformers config)."""
         config = DFlashConfig.for_target(
@@ -438,6 +473,7 @@ class DFlashDraftModel(nn.Module):
             intermediate_size=intermediate_size,
             vocab_size=vocab_size,
             input_embedding_scale=input_embedding_scale,
+            arch=arch,
         )
         if seed is not None:
             torch.manual_seed(seed)
@@ -482,6 +518,10 @@ class DFlashDraftModel(nn.Module):
         state = {k.removeprefix("model."): v for k, v in state.items()}
         state.pop("embed_tokens.weight", None)
         state.pop("lm_head.weight", None)
+        for name in ("predecessor_codebook", "successor_codebook"):  # DFlash2 codebooks saved as nn.Embedding
+            key = f"candidate_selector.{name}"
+            if f"{key}.weight" in state and key not in state:
+                state[key] = state.pop(f"{key}.weight")
         with torch.device("meta"):
             model = cls(config)
         expected = model.state_dict()
@@ -502,6 +542,25 @@ class DFlashDraftModel(nn.Module):
         model.load_state_dict({k: v.to(load_dtype) for k, v in state.items()}, strict=True)
         model.rotary_emb = RotaryEmbedding(config).to(device or "cpu")
         return model.to(load_dtype).eval()
+
+    def as_dflash2(self, **settings: int) -> DFlashDraftModel:
+        """A DFlash2 drafter holding this v1 drafter's weights, its convolutions and selector freshly initialised
+        (identity convolutions, a selector that picks each slot's argmax): it proposes what this drafter proposes
+        until trained further. `settings` override DFlash2's defaults (conv_kernel_size, selector_top_k, ...)."""
+        from dataclasses import replace
+
+        from .config import _dflash2_defaults
+
+        if self.config.is_dflash2:
+            return self
+        config = replace(
+            self.config, **{**_dflash2_defaults(self.config.hidden_size, self.config.vocab_size), **settings}
+        )
+        config.validate()
+        fresh = DFlashDraftModel(config).to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+        missing, unexpected = fresh.load_state_dict(self.state_dict(), strict=False)
+        assert not unexpected and all("_conv." in k or k.startswith("candidate_selector.") for k in missing)
+        return fresh
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

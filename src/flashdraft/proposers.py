@@ -112,11 +112,16 @@ class DFlashProposer(Proposer):
 
     @torch.no_grad()
     def propose(self, anchor_token: int, anchor_position: int, num_tokens: int) -> torch.Tensor:
-        return self.draft_logits(anchor_token, anchor_position, num_tokens).argmax(-1)  # the draft is greedy
+        return self.draft_confidences(anchor_token, anchor_position, num_tokens)[0]  # the draft is greedy
 
     @torch.no_grad()
     def draft_logits(self, anchor_token: int, anchor_position: int, num_tokens: int) -> torch.Tensor:
         """[num_tokens, V] draft logits for the slots after the anchor; absorbs the pending context."""
+        return self.head_logits(self.draft_hidden(anchor_token, anchor_position, num_tokens)[0])
+
+    @torch.no_grad()
+    def draft_hidden(self, anchor_token: int, anchor_position: int, num_tokens: int) -> torch.Tensor:
+        """[1, num_tokens, H] draft hidden states of the slots after the anchor; absorbs the pending context."""
         device = self.target.device
         context_start = len(self.cache)
         pending = self._pending
@@ -139,7 +144,7 @@ class DFlashProposer(Proposer):
         )
         self._pending = None
         # Slot k predicts the token at anchor + k (same-position prediction); slot 0's output is unused.
-        return self.head_logits(hidden[0, 1:])
+        return hidden[:, 1:]
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, V] float32 draft logits of the target's LM head (in the drafter's precision) for [rows, H] states,
@@ -153,9 +158,13 @@ class DFlashProposer(Proposer):
     def draft_confidences(
         self, anchor_token: int, anchor_position: int, num_tokens: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(greedy draft tokens, the drafter's probability of each) for the slots after the anchor."""
-        probs, tokens = self.draft_logits(anchor_token, anchor_position, num_tokens).softmax(-1).max(-1)
-        return tokens, probs
+        """(greedy draft tokens, the drafter's confidence in each) for the slots after the anchor (v1: each slot's
+        argmax and its probability; DFlash2: the candidate selector's path)."""
+        hidden = self.draft_hidden(anchor_token, anchor_position, num_tokens)
+        logits = self.head_logits(hidden[0])[None]
+        anchor = torch.tensor([anchor_token], device=hidden.device)
+        tokens, confidence = self.draft.propose_tokens(hidden, logits, anchor)
+        return tokens[0], confidence[0]
 
 
 def prompt_lookup(
@@ -395,7 +404,7 @@ class BatchedDFlashProposer(BatchProposer):
     # -------------------------------------------------------------- the draft pass
     @torch.no_grad()
     def draft_rows(self, rows: list[BatchRow]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(greedy drafts [b, B-1], the drafter's probability of each) for every row, in one forward."""
+        """(greedy drafts [b, B-1], the drafter's confidence in each) for every row, in one forward."""
         device = self.target.device
         b, block = len(rows), self.max_block_size
         lengths = [0 if p is None else p.shape[0] for p in self.pending]
@@ -437,8 +446,8 @@ class BatchedDFlashProposer(BatchProposer):
         self._compact()
         # Slot k predicts the token at anchor + k; slot 0's output is unused.
         logits = self.single.head_logits(hidden[:, 1:].reshape(b * (block - 1), -1)).view(b, block - 1, -1)
-        probs, tokens = logits.softmax(-1).max(-1)
-        return tokens.cpu(), probs.cpu()
+        tokens, confidence = self.draft.propose_tokens(hidden[:, 1:], logits, anchors)
+        return tokens.cpu(), confidence.cpu()
 
     # -------------------------------------------------------------- the policy
     def _lookup(self, row: BatchRow, max_tokens: int) -> tuple[list[int], torch.Tensor]:

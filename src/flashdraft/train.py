@@ -33,7 +33,7 @@ import torch.distributed as dist
 from .config import DFlashConfig
 from .export import evaluate_tau
 from .files import atomic_write, atomic_write_text
-from .loss import target_distribution, weighted_block_loss
+from .loss import selector_loss, target_distribution, weighted_block_loss
 from .model import DFlashDraftModel, block_inputs
 from .progress import progress_bar
 from .target import Target
@@ -203,6 +203,12 @@ class TrainConfig:
         "random"  # new drafter's layers: "random" or "target-top" (copies of the target's top layers)
     )
     kl_weight: float = 0.0  # > 0: add kl_weight * KL(target || draft) per block slot (online features only)
+    # "dflash2": a new drafter is DFlash2 (convolutions + candidate selector), and a v1 `init_from` becomes one
+    # (its weights kept, the new parts initialised to change nothing); "dflash": v1 (a DFlash2 init_from stays DFlash2).
+    arch: str = "dflash"
+    selector_weight: float = (
+        1.0  # DFlash2: weight of the candidate selector's cross-entropy (loss.selector_loss)
+    )
     # The learning curve: every `eval_every` steps, τ on held-out prompts (fixed B) into OUT/eval_log.jsonl.
     eval_every: int = 0
     eval_datasets: tuple[str, ...] = ("gsm8k", "humaneval", "mt-bench")
@@ -266,6 +272,7 @@ class Trainer:
                     vocab_size=target.vocab_size,
                     seed=config.seed,
                     input_embedding_scale=target.input_embedding_scale,
+                    arch=config.arch,
                 )
                 if config.init_layers == "target-top":
                     init_layers_from_target(draft, target)
@@ -273,6 +280,8 @@ class Trainer:
                     raise ValueError(
                         f"init_layers must be 'random' or 'target-top', got {config.init_layers!r}"
                     )
+        if config.arch == "dflash2":
+            draft = draft.as_dflash2()
         target.check_drafter(draft.config)
         if config.block_size > draft.config.block_size:
             raise ValueError(
@@ -384,7 +393,12 @@ class Trainer:
                     self.target, self.draft.config, hidden, blocks.labels, blocks.weights, self.cfg.lm_head_chunk,
                     soft=soft, kl_weight=self.cfg.kl_weight,
                 )  # fmt: skip
-                yield part, blocks.weights, correct, n
+                yield (
+                    part + self._selector_part(hidden, blocks.labels, blocks.weights),
+                    blocks.weights,
+                    correct,
+                    n,
+                )
             return
         # Right padding: the target is causal, so a sequence's features do not see the padding after it.
         ids = [item["input_ids"][: self.cfg.max_length] for item, _, _ in mb]
@@ -400,15 +414,24 @@ class Trainer:
                 self.model, self.target, features, blocks, self.block_size
             )
         weights = blocks.weights.flatten()
+        hidden, labels = hidden.flatten(0, 1), blocks.labels.flatten()
         part, correct = weighted_block_loss(
-            self.target,
-            self.draft.config,
-            hidden.flatten(0, 1),
-            blocks.labels.flatten(),
-            weights,
-            self.cfg.lm_head_chunk,
+            self.target, self.draft.config, hidden, labels, weights, self.cfg.lm_head_chunk
         )
-        yield part, weights, correct, sum(n for _, _, n in mb)
+        yield part + self._selector_part(hidden, labels, weights), weights, correct, sum(n for _, _, n in mb)
+
+    def _selector_part(
+        self, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """DFlash2: the candidate selector's weighted cross-entropy (0 for a v1 drafter)."""
+        selector = self.draft.candidate_selector
+        if selector is None or self.cfg.selector_weight <= 0:
+            return hidden.new_zeros((), dtype=torch.float32)
+        part, _ = selector_loss(
+            selector, self.target, self.draft.config, hidden, labels, weights, self.block_size,
+            self.cfg.lm_head_chunk,
+        )  # fmt: skip
+        return self.cfg.selector_weight * part
 
     # ------------------------------------------------------------------ one optimizer step
     def train_step(self) -> dict[str, Any]:

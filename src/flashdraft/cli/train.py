@@ -16,8 +16,20 @@ from ..model import DFlashDraftModel
 from ..train import TrainConfig, Trainer
 from .common import out
 
-
 # ---------------------------------------------------------------------------------------------- init-draft
+ARCH_HELP = (
+    "dflash (v1) | dflash2 (grouped dynamic convolutions + candidate selector, z-lab's DFlash2DraftModel); "
+    "train: a v1 --init-from becomes DFlash2 with its weights kept"
+)
+
+
+def default_block_size(arch: str, block_size: int | None) -> int:
+    """16 for v1 (the paper's), 8 for DFlash2 (z-lab's published DFlash2 drafters)."""
+    if arch not in ("dflash", "dflash2"):
+        raise typer.BadParameter(f"--arch must be dflash or dflash2, not {arch!r}")
+    return block_size if block_size is not None else (8 if arch == "dflash2" else 16)
+
+
 def _parse_ids(text: str | None) -> list[int] | None:
     if not text:
         return None
@@ -32,7 +44,10 @@ def init_draft(
     target: Annotated[str, typer.Option(help="target: pack name, local path or hub id")],
     out_dir: Annotated[Path, typer.Option("--out", help="directory to write the drafter to")],
     num_layers: Annotated[int, typer.Option(help="draft decoder layers")] = 5,
-    block_size: Annotated[int, typer.Option(help="block size B (anchor + B-1 drafts)")] = 16,
+    block_size: Annotated[
+        int | None, typer.Option(help="block size B (anchor + B-1 drafts; default 16, DFlash2 8)")
+    ] = None,
+    arch: Annotated[str, typer.Option(help=ARCH_HELP)] = "dflash",
     mask_token_id: Annotated[
         int | None, typer.Option(help="mask token id (default: chosen from the tokenizer)")
     ] = None,
@@ -64,18 +79,19 @@ def init_draft(
     draft = DFlashDraftModel.for_target(
         target_config,
         num_layers=num_layers,
-        block_size=block_size,
+        block_size=default_block_size(arch, block_size),
         mask_token_id=mask_token_id,
         target_layer_ids=_parse_ids(target_layer_ids),
         intermediate_size=intermediate_size,
         seed=seed,
+        arch=arch,
     )
     mask_token = tokenizer.convert_ids_to_tokens(mask_token_id) if tokenizer is not None else None
     draft.config.flashdraft = {"target": target, "trained": False, "mask_token": mask_token}
     draft.save_pretrained(out_dir)
     c = draft.config
     out.print(
-        f"wrote an untrained drafter to {out_dir}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+        f"wrote an untrained {c.architecture} to {out_dir}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
         f"block {c.block_size}, mask id {c.mask_token_id} ({mask_token!r}), taps {c.target_layer_ids}, "
         f"{draft.num_parameters() / 1e6:.1f}M parameters"
     )
@@ -87,7 +103,11 @@ def train(
     data: Annotated[list[Path], typer.Option(help="data dir from `flashdraft data regenerate` (repeatable)")],
     out: Annotated[Path, typer.Option(help="output directory (checkpoints, log, final drafter)")],
     num_layers: Annotated[int, typer.Option(help="draft layers")] = 5,
-    block_size: Annotated[int, typer.Option(help="block size B")] = 16,
+    block_size: Annotated[int | None, typer.Option(help="block size B (default 16, DFlash2 8)")] = None,
+    arch: Annotated[str, typer.Option(help=ARCH_HELP)] = "dflash",
+    selector_weight: Annotated[
+        float, typer.Option(help="DFlash2: weight of the candidate selector's cross-entropy")
+    ] = 1.0,
     num_anchors: Annotated[
         int, typer.Option(help="anchors (blocks) per sequence, re-sampled every epoch")
     ] = 512,
@@ -176,7 +196,9 @@ def train_command(
     data: list[Path],
     out: Path,
     num_layers: int = 5,
-    block_size: int = 16,
+    block_size: int | None = None,
+    arch: str = "dflash",
+    selector_weight: float = 1.0,
     num_anchors: int = 512,
     gamma: float | None = None,
     lr: float = 6e-4,
@@ -226,10 +248,17 @@ def train_command(
     if mask_token_id is None and init_from is None:
         mask_token_id = choose_mask_token_id(tgt.tokenizer, tgt.vocab_size)
     layer_ids = [int(x) for x in target_layer_ids.split(",")] if target_layer_ids else None
+    if block_size is None and init_from is not None:  # the starting drafter's own block
+        from ..model import load_drafter_config
+
+        block_size = load_drafter_config(init_from).block_size
+    block_size = default_block_size(arch, block_size)
     cfg = TrainConfig(
         out_dir=str(out),
         num_layers=num_layers,
         block_size=block_size,
+        arch=arch,
+        selector_weight=selector_weight,
         num_anchors=num_anchors,
         gamma=gamma,
         lr=lr,
