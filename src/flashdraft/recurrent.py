@@ -169,21 +169,21 @@ def has_kv(layer: Any) -> bool:
 def find_mixers(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
     """The modules that read and write each recurrent cache layer, by layer index, with the name of their cache
     argument: per layer, the innermost module with that `layer_idx` whose forward takes `cache_params`
-    (GatedDeltaNet, Mamba, Mamba2 mixers) or, failing that, `past_key_values` and is no attention module (LFM2's
-    short convolution)."""
+    (GatedDeltaNet, Mamba, Mamba2 mixers) or, failing that, `past_key_values` or `cache` (the one name every
+    module's cache argument has from transformers 5.24 on) and is no attention module (LFM2's short convolution)."""
     recurrent = {i for i, layer in enumerate(cache_layers(model.config)) if is_recurrent_layer(layer)}
     found: dict[str, tuple[nn.Module, str]] = {}
     for name, m in model.named_modules():
         if getattr(m, "layer_idx", None) not in recurrent:
             continue
         params = inspect.signature(m.forward).parameters
-        arg = next((a for a in ("cache_params", "past_key_values") if a in params), None)
+        arg = next((a for a in ("cache_params", "past_key_values", "cache") if a in params), None)
         if arg is not None:
             found[name] = (m, arg)
     inner = {n: v for n, v in found.items() if not any(o.startswith(n + ".") for o in found)}
     mixers: dict[int, tuple[nn.Module, str]] = {}
     for m, arg in inner.values():
-        if arg == "past_key_values" and "attention" in type(m).__name__.lower():
+        if arg != "cache_params" and "attention" in type(m).__name__.lower():
             continue
         if m.layer_idx not in mixers or arg == "cache_params":
             mixers[m.layer_idx] = (m, arg)

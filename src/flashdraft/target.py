@@ -85,9 +85,11 @@ class Target:
             self._embed_scale = self.hidden_size**0.5
         params = inspect.signature(model.forward).parameters
         self._takes_positions = "position_ids" in params  # recurrent-only models (Mamba2) have no positions
-        self._cache_arg = (
-            "cache_params" if "cache_params" in params and "past_key_values" not in params else None
-        )
+        # The cache argument: `cache` from transformers 5.24 on (every model; the old names are deprecated there, and
+        # Mamba2 ignores `past_key_values`), `cache_params` for older recurrent-only models, else `past_key_values`.
+        self._cache_arg = next((a for a in ("cache", "cache_params") if a in params), None)
+        if self._cache_arg == "cache_params" and "past_key_values" in params:
+            self._cache_arg = None
         self._logits_to_keep_arg = next(
             (a for a in ("logits_to_keep", "num_logits_to_keep") if a in params), None
         )
