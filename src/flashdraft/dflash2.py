@@ -125,3 +125,34 @@ class CandidateSelector(nn.Module):
             path.append(predecessor)
             confidence.append(prob)
         return torch.stack(path, 1), torch.stack(confidence, 1)
+
+    @torch.no_grad()
+    def sample(
+        self,
+        hidden: torch.Tensor,
+        logits: torch.Tensor,
+        anchor: torch.Tensor,
+        temperature: float,
+        uniforms: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sampled walk for one row: (tokens [n], their distributions over the vocabulary [n, V]), each step drawn
+        by inverse CDF (`uniforms` [n]) from softmax(scores / temperature) over the slot's candidates."""
+        unary, candidates = torch.topk(logits[0].float(), self.top_k, dim=-1)  # [n, k]
+        projected = self.hidden_projection(hidden[0])  # [n, r]
+        predecessor, path = anchor.reshape(1), []
+        q = torch.zeros_like(logits[0], dtype=torch.float32)  # [n, V]
+        for t in range(hidden.shape[1]):
+            scores = self.scores(projected[t : t + 1], unary[t : t + 1], candidates[t : t + 1], predecessor)[
+                0
+            ]
+            probs = (scores / temperature).softmax(-1)
+            cdf = probs.double().cumsum(-1)
+            index = int(
+                torch.searchsorted(cdf, uniforms[t : t + 1].to(cdf) * cdf[-1:], right=True).clamp(
+                    max=len(cdf) - 1
+                )
+            )
+            q[t].scatter_(0, candidates[t], probs)
+            predecessor = candidates[t, index : index + 1]
+            path.append(predecessor)
+        return torch.cat(path), q

@@ -31,7 +31,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .recurrent import append_rows, has_kv, is_recurrent_layer, select_rows
-from .sampling import SamplingParams, position_uniforms, sample_token, verify_block
+from .sampling import (
+    ACCEPT_STREAM,
+    SamplingParams,
+    position_uniforms,
+    sample_token,
+    verify_block,
+    verify_block_pq,
+)
 from .target import Target
 
 if TYPE_CHECKING:
@@ -474,15 +481,26 @@ class BatchDecoder:
         kept = torch.zeros(len(rows), n, dtype=torch.bool, device=device)
         finished, features, own_accepted = [], [], []
         for i, row in enumerate(rows):
-            drafts = block[i, 1:]
-            accepted, emitted = verify_block(
-                out.logits[i],
-                drafts,
-                row.sampling,
-                row.uniforms(row.anchor_position + 1, n),
-                row.anchor_position + 1,
-            )
             real = proposals[i].shape[0]
+            if self.proposer.sampled_drafts and not row.sampling.greedy:  # speculative sampling (p/q)
+                start = row.anchor_position + 1
+                accepted, emitted = verify_block_pq(
+                    out.logits[i, : real + 1],
+                    proposals[i],
+                    self.proposer.draft_probs(i),
+                    row.sampling,
+                    position_uniforms(row.seed ^ ACCEPT_STREAM, start, real),
+                    row.uniforms(start, real + 1),
+                    start,
+                )
+            else:
+                accepted, emitted = verify_block(
+                    out.logits[i],
+                    block[i, 1:],
+                    row.sampling,
+                    row.uniforms(row.anchor_position + 1, n),
+                    row.anchor_position + 1,
+                )
             own_accepted.append(min(accepted, real))
             emitted, stopped = cut_emitted(emitted, remaining[i], row.stops)
             reason = "stop_token" if stopped else None

@@ -33,6 +33,7 @@ from .engine import (
 from .measure import load_or_measure_costs
 from .model import DFlashDraftModel
 from .proposers import (
+    DRAFT_SAMPLING,
     BatchedDFlashProposer,
     BatchProposer,
     NoProposer,
@@ -48,18 +49,27 @@ def batch_proposer(
     draft: DFlashDraftModel | Callable[[], Proposer] | None,
     block_size: int | str | None = "auto",
     costs: CostModel | None = None,
+    draft_sampling: str = "match",
 ) -> BatchProposer:
     """The proposer the engine runs: plain (`draft=None`), a DFlash drafter (one batched draft pass per step; the
     cost-aware policy for `block_size="auto"`, else the drafter's full block drafted and that many tokens
-    verified), or a factory of per-row proposers."""
+    verified), or a factory of per-row proposers. `draft_sampling` (DFlash drafters): "match" (greedy drafts,
+    seed-exact) or "pq" (drafts sampled at T > 0, speculative sampling; sampling.py)."""
+    if draft_sampling not in DRAFT_SAMPLING:
+        raise ValueError(f"draft_sampling must be one of {', '.join(DRAFT_SAMPLING)}, not {draft_sampling!r}")
     if draft is None:
         return PerRowProposers(NoProposer)
     if isinstance(draft, DFlashDraftModel):
         target.check_drafter(draft.config)
         verify = check_block_size(block_size, draft.config.block_size)
         if verify is not None:
-            return BatchedDFlashProposer(draft, target, block_size=verify)
-        return BatchedDFlashProposer(draft, target, costs or load_or_measure_costs(target, draft))
+            return BatchedDFlashProposer(draft, target, block_size=verify, draft_sampling=draft_sampling)
+        costs = costs or load_or_measure_costs(target, draft)
+        return BatchedDFlashProposer(draft, target, costs, draft_sampling=draft_sampling)
+    if draft_sampling != "match":
+        raise ValueError(
+            "draft_sampling='pq' needs a DFlash drafter (other proposers draft deterministically)"
+        )
     if callable(draft):
         return PerRowProposers(draft)
     raise TypeError(
@@ -103,6 +113,7 @@ def generate(
     seed: int | None = None,
     on_tokens: Callable[[list[int]], Any] | None = None,
     costs: CostModel | None = None,
+    draft_sampling: str = "match",
 ) -> GenerationResult:
     """Lossless speculative generation of one sequence with a DFlash drafter (or any `Proposer`, or a
     `BatchProposer` to run as given).
@@ -112,14 +123,20 @@ def generate(
     there (stop_reason "caller"). `block_size="auto"` (default, DFlash drafters): per step, prompt lookup, the drafter
     or a plain step, and the verify length, chosen by expected tokens per second under `costs` (measured on this
     machine once and cached when None). An integer verifies that many tokens (anchor included) every step, as the
-    paper does; it may be smaller than the drafter's trained block size.
+    paper does; it may be smaller than the drafter's trained block size. `draft_sampling="pq"` (T > 0, DFlash
+    drafters): drafts sampled from the drafter and verified by speculative sampling, an exact sample of the target
+    but not seed-exact; the default "match" drafts greedily and gives plain sampling's tokens for the same seed.
     """
     target = as_target(target)
     sampling = SamplingParams(temperature, top_p, top_k)
     check_request(target, input_ids, max_new_tokens)
     cap = None
     if isinstance(draft, DFlashDraftModel):
-        proposer = batch_proposer(target, draft, block_size, costs)
+        proposer = batch_proposer(target, draft, block_size, costs, draft_sampling)
+    elif draft_sampling != "match":
+        raise ValueError(
+            "draft_sampling='pq' needs a DFlash drafter (other proposers draft deterministically)"
+        )
     elif isinstance(draft, Proposer):
         cap = check_block_size(block_size, draft.max_block_size)
         proposer = PerRowProposers(lambda: draft)
@@ -173,6 +190,7 @@ def generate_batch(
     seed: int | Sequence[int] | None = None,
     costs: CostModel | None = None,
     max_batch_size: int | None = None,
+    draft_sampling: str = "match",
 ) -> list[GenerationResult]:
     """Decode several prompts together: each row's output is what `generate` gives it alone (greedy, fp32) or the
     same seed-exact sample. `draft=None` decodes plainly in a batch; a callable makes one `Proposer` per row.
@@ -187,7 +205,9 @@ def generate_batch(
         raise GenerationError("max_new_tokens and seed must be one value or one per prompt")
     for ids, limit in zip(prompts, limits, strict=True):  # every request is checked before any work
         check_request(target, ids, limit)
-    decoder = BatchDecoder(target, batch_proposer(target, draft, block_size, costs), max_batch_size)
+    decoder = BatchDecoder(
+        target, batch_proposer(target, draft, block_size, costs, draft_sampling), max_batch_size
+    )
     return run(decoder, prompts, limits, sampling, stop_token_ids, seeds)
 
 

@@ -370,6 +370,25 @@ class DFlashDraftModel(nn.Module):
         probs, tokens = logits.softmax(-1).max(-1)
         return tokens, probs
 
+    def sample_tokens(
+        self,
+        hidden: torch.Tensor,
+        logits: torch.Tensor,
+        anchor: torch.Tensor,
+        params: Any,
+        uniforms: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sampled drafts for one row and the distributions they were drawn from: [n] and [n, V] from hidden [1, n, H]
+        and logits [1, n, V]. v1: each slot from its processed draft distribution (the request's temperature, top-k,
+        top-p); DFlash2: the selector's walk, each step drawn from softmax(scores / T) over its candidates (as
+        z-lab's sampler). `uniforms` [n]: one per slot."""
+        from .sampling import inverse_cdf_sample, target_probs
+
+        if self.candidate_selector is None:
+            q = target_probs(logits[0], params)
+            return inverse_cdf_sample(q, uniforms), q
+        return self.candidate_selector.sample(hidden, logits, anchor, params.temperature, uniforms)
+
     def _attention_masks(
         self,
         block_positions: torch.Tensor,

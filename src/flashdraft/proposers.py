@@ -40,6 +40,7 @@ from .costs import CostModel
 from .engine import GenerationError
 from .model import PAD_POSITION, DFlashDraftModel, DraftContextCache, block_inputs, draft_logits
 from .policy import AcceptanceTable, confidence_keys, confidence_table, expected_tokens
+from .sampling import DRAFT_STREAM, position_uniforms
 from .target import Target, TargetError
 
 if TYPE_CHECKING:
@@ -188,6 +189,9 @@ def prompt_lookup(
     return [], 0
 
 
+# "match": deterministic (greedy) drafts accepted where they equal the target's seed-keyed sample (seed-exact);
+# "pq": at T > 0, drafts sampled from the drafter's distribution and verified by speculative sampling.
+DRAFT_SAMPLING = ("match", "pq")
 LOOKUP_MAX_TOKENS = 10
 LOOKUP_MAX_NGRAM = 3
 MAX_SKIP_STEPS = 32
@@ -221,6 +225,13 @@ class BatchProposer:
 
     tap_layer_ids: tuple[int, ...] = ()
     max_block_size: int = 1
+    # True: rows that sample (T > 0) get drafts drawn from the drafter's distribution, verified by speculative
+    # sampling against `draft_probs` (sampling.verify_block_pq); False: deterministic drafts, seed-exact verification.
+    sampled_drafts: bool = False
+
+    def draft_probs(self, index: int) -> torch.Tensor | None:
+        """[n, V] distributions the last proposal of row `index` was drawn from (None: deterministic, one-hot)."""
+        return None
 
     def add(self, row: BatchRow, features: torch.Tensor | None) -> None:
         """A row joined at the end of the batch, with the target features of its prompt."""
@@ -311,7 +322,13 @@ class BatchedDFlashProposer(BatchProposer):
         lookup: bool = True,
         dtype: torch.dtype | None = None,
         online_costs: bool = True,
+        draft_sampling: str = "match",
     ) -> None:
+        if draft_sampling not in DRAFT_SAMPLING:
+            raise ValueError(
+                f"draft_sampling must be one of {', '.join(DRAFT_SAMPLING)}, not {draft_sampling!r}"
+            )
+        self.sampled_drafts = draft_sampling == "pq"
         if block_size is None and costs is None:
             raise ValueError("the automatic verify length needs a cost model")
         if dtype is None and costs is not None:
@@ -333,6 +350,8 @@ class BatchedDFlashProposer(BatchProposer):
         self.pending: list[torch.Tensor | None] = []  # [k, F] features not yet projected, per row
         self.counts: list[dict[str, int]] = []
         self._last: list[tuple[str, torch.Tensor] | None] = []
+        self._q: list[torch.Tensor | None] = []  # per row: the sampled drafts' distributions of this step
+        self._drafted_q: list[torch.Tensor | None] = []  # per row: those of the last draft pass
         self.draft_rate: float | None = None  # the batch's expected tokens/s when drafting (EMA)
         self.skip_steps = 0
         self.skip_left = 0
@@ -359,6 +378,7 @@ class BatchedDFlashProposer(BatchProposer):
         self.pending.append(features[0])
         self.counts.append({"dflash": 0, "lookup": 0, "plain": 0})
         self._last.append(None)
+        self._q.append(None)
 
     def remove(self, keep: list[int]) -> None:
         c = self.cache
@@ -369,7 +389,7 @@ class BatchedDFlashProposer(BatchProposer):
             c.values = [v[idx] for v in c.values]
             if not keep:
                 self.cache = DraftContextCache(ragged=True)
-        for name in ("absorbed", "pending", "counts", "_last"):
+        for name in ("absorbed", "pending", "counts", "_last", "_q"):
             old = getattr(self, name)
             setattr(self, name, [old[i] for i in keep])
         self._compact()
@@ -447,7 +467,23 @@ class BatchedDFlashProposer(BatchProposer):
         # Slot k predicts the token at anchor + k; slot 0's output is unused.
         logits = self.single.head_logits(hidden[:, 1:].reshape(b * (block - 1), -1)).view(b, block - 1, -1)
         tokens, confidence = self.draft.propose_tokens(hidden[:, 1:], logits, anchors)
+        self._drafted_q = [None] * b
+        if (
+            self.sampled_drafts
+        ):  # rows that sample draw their drafts from the drafter's processed distribution
+            for i, row in enumerate(rows):
+                if row.sampling.greedy:
+                    continue
+                u = position_uniforms(row.seed ^ DRAFT_STREAM, row.anchor_position + 1, block - 1)
+                drawn, q = self.draft.sample_tokens(
+                    hidden[i : i + 1, 1:], logits[i : i + 1], anchors[i], row.sampling, u
+                )
+                tokens[i] = drawn
+                self._drafted_q[i] = q
         return tokens.cpu(), confidence.cpu()
+
+    def draft_probs(self, index: int) -> torch.Tensor | None:
+        return self._q[index]
 
     # -------------------------------------------------------------- the policy
     def _lookup(self, row: BatchRow, max_tokens: int) -> tuple[list[int], torch.Tensor]:
@@ -478,7 +514,9 @@ class BatchedDFlashProposer(BatchProposer):
             self._last = [None] * b
             for c in self.counts:
                 c["dflash"] += 1
-            return [tokens[i, : min(self.fixed - 1, m)] for i, m in enumerate(max_drafts)]
+            keep = [min(self.fixed - 1, m) for m in max_drafts]
+            self._q = [None if q is None else q[:k] for q, k in zip(self._drafted_q, keep, strict=True)]
+            return [tokens[i, :k] for i, k in enumerate(keep)]
 
         context = sum(row.anchor_position for row in rows) // b
         top = max(max_drafts)
@@ -494,6 +532,7 @@ class BatchedDFlashProposer(BatchProposer):
         # rate that made it skip is stale then: a probe measures it again, or lookup would keep it off forever).
         probe = self.draft_rate is None or self.draft_rate <= plain_rate
         draft_now = top > 0 and self.skip_left == 0 and (probe or self.draft_rate >= lookup_rate)
+        self._q = [None] * b
         if not draft_now:
             self.skip_left = max(0, self.skip_left - 1)
             use_lookup = lookup_n > 0 and lookup_rate > plain_rate
@@ -536,6 +575,8 @@ class BatchedDFlashProposer(BatchProposer):
         for i, (source, toks, k, _) in enumerate(choices):
             self._last[i] = (source, k[:n]) if n else None
             self.counts[i][source] += 1
+            q = self._drafted_q[i]
+            self._q[i] = q[: len(toks[:n])] if source == "dflash" and q is not None else None
             out.append(toks[:n])
         return out
 

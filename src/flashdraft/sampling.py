@@ -11,6 +11,12 @@ what plain sampling with the same seed produces, token for token, whatever was p
 many positions one target forward settles. A draft x is accepted with probability p(x), as in speculative sampling
 with a one-hot (greedy) proposal. Temperature, top-k and top-p are applied to the target only; they never touch the
 draft.
+
+Sampled drafts (`draft_sampling="pq"`, `verify_block_pq`): the drafter samples x_k from its own processed
+distribution q_k, and the target accepts x_k when u_k q_k(x_k) < p_k(x_k), else draws from norm(max(0, p_k - q_k))
+and stops; after n accepted drafts it draws from p_n (speculative sampling, Leviathan et al. / Chen et al.). The
+output is an exact sample of the target's distribution, but not the one plain sampling with the same seed gives.
+A deterministic proposal (prompt lookup, a greedy draft) is the one-hot q of its token.
 """
 
 from __future__ import annotations
@@ -134,3 +140,48 @@ def verify_block(
     matches = (target_tokens[:n] == draft_tokens.to(target_tokens.device)).int()
     a = int(matches.cumprod(0).sum())
     return a, target_tokens[: a + 1].tolist()
+
+
+# The uniforms of sampled drafts and of their acceptance tests: streams of their own, apart from the target's.
+DRAFT_STREAM = 0x5EED_D4AF
+ACCEPT_STREAM = 0xACCE_97ED
+
+
+def verify_block_pq(
+    logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    params: SamplingParams,
+    accept_uniforms: torch.Tensor,
+    sample_uniforms: torch.Tensor,
+    position: int | None = None,
+) -> tuple[int, list[int]]:
+    """Speculative-sampling verification of drafts drawn from `draft_probs` (None: deterministic drafts, one-hot).
+
+    logits:          [n + 1, V] target logits at the anchor and the n draft positions
+    draft_tokens:    [n] proposed tokens
+    draft_probs:     [n, V] the distributions they were drawn from, or None
+    accept_uniforms: [n] uniforms of the acceptance tests;  sample_uniforms: [n + 1] of the corrective/bonus draws
+    Returns (number of accepted drafts a, emitted tokens = draft_tokens[:a] + [one target-side draw]).
+    """
+    n = draft_tokens.shape[0]
+    check_finite(logits, position)
+    p = target_probs(logits, params).double()  # [n + 1, V]
+    drafts = draft_tokens.to(p.device)
+    p_x = p[:n].gather(-1, drafts[:, None])[:, 0]
+    q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs.to(p).gather(-1, drafts[:, None])[:, 0]
+    ok = (accept_uniforms.to(p)[:n] * q_x < p_x).int()
+    a = int(ok.cumprod(0).sum())
+    if a == n:
+        dist = p[n]
+    else:  # rejected at slot a: the residual max(0, p - q), which is p with x removed for a one-hot q
+        q = (
+            torch.zeros_like(p[a]).scatter_(0, drafts[a : a + 1], 1.0)
+            if draft_probs is None
+            else draft_probs[a].to(p)
+        )
+        dist = (p[a] - q).clamp_(min=0.0)
+        if not float(dist.sum()) > 0:  # q covers p exactly where it was sampled: p itself is the residual
+            dist = p[a]
+    last = inverse_cdf_sample(dist[None], sample_uniforms[a : a + 1])
+    return a, [*drafts[:a].tolist(), int(last[0])]

@@ -23,12 +23,13 @@ METHODS: dict[str, str] = {
     "hf": "transformers generate (greedy / sampling, no speculation)",
     "dflash": "flashdraft DFlash speculative decoding (default: cost-aware verify length, --block-size auto)",
     "dflash-fixed": "flashdraft DFlash with a fixed verify length: the drafter's trained block (the paper's setting)",
+    "dflash-pq": "dflash with drafts sampled from the drafter at T > 0 and speculative (p/q) rejection sampling",
     "sd": "transformers assisted generation with a small draft model",
     "pld": "transformers prompt-lookup decoding",
 }
 
 
-DFLASH_METHODS = ("dflash", "dflash-fixed")
+DFLASH_METHODS = ("dflash", "dflash-fixed", "dflash-pq")
 
 
 REFERENCE = "ar"  # the output every method must reproduce at T=0, and the first speedup baseline

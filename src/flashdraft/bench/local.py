@@ -104,7 +104,7 @@ class LocalMethods:
                 raise BenchError(
                     f"--block-size {cfg.block_size} exceeds the drafter's block size {self.block_size}"
                 )
-            if self.verify == "auto" and "dflash" in cfg.methods:
+            if self.verify == "auto" and {"dflash", "dflash-pq"} & set(cfg.methods):
                 from ..measure import load_or_measure_costs
 
                 self.cost_model = load_or_measure_costs(
@@ -168,10 +168,12 @@ class LocalMethods:
 
         common = dict(max_new_tokens=max_new_tokens, temperature=self.cfg.temperature, seed=seed)
         if method in DFLASH_METHODS:
-            verify = self.verify if method == "dflash" else self.block_size
+            verify = self.block_size if method == "dflash-fixed" else self.verify
+            sampling = "pq" if method == "dflash-pq" else "match"
             res = generate(
-                self.target, self.draft, input_ids, block_size=verify, costs=self.cost_model, **common
-            )
+                self.target, self.draft, input_ids, block_size=verify, costs=self.cost_model,
+                draft_sampling=sampling, **common,
+            )  # fmt: skip
         else:
             res = generate_ar(self.target, input_ids, **common)
         return RunOutput(

@@ -52,6 +52,13 @@ def generate_command(
         ),
     ] = "auto",
     seed: Annotated[int | None, typer.Option()] = None,
+    draft_sampling: Annotated[
+        str,
+        typer.Option(
+            help="at T > 0: match (greedy drafts, output = plain sampling with the same seed) | pq (drafts sampled "
+            "from the drafter, speculative rejection sampling: an exact sample, not seed-exact)"
+        ),
+    ] = "match",
     compare_ar: Annotated[bool, typer.Option(help="also run plain decoding and report the speedup")] = False,
     as_json: Annotated[
         bool, typer.Option("--json", help="print one JSON object instead of streaming")
@@ -128,6 +135,8 @@ def generate_command(
     ids = tgt.encode_prompt(prompt, chat=chat, enable_thinking=thinking, system=system)
     if seed is None and compare_ar:  # sampling is seed-exact: one seed for both runs makes them comparable
         seed = int(torch.randint(0, 2**31, ()).item())
+    if draft_sampling not in ("match", "pq"):
+        raise typer.BadParameter(f"--draft-sampling must be match or pq, not {draft_sampling!r}")
     kwargs = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     torch.set_grad_enabled(False)
     costs = None
@@ -150,8 +159,9 @@ def generate_command(
 
     streamer = _Streamer(tgt.tokenizer, enabled=not as_json)
     res = generate(
-        tgt, drafter, ids, max_new_tokens, block_size=verify, costs=costs, on_tokens=streamer, **kwargs
-    )
+        tgt, drafter, ids, max_new_tokens, block_size=verify, costs=costs, on_tokens=streamer,
+        draft_sampling=draft_sampling, **kwargs,
+    )  # fmt: skip
     if not as_json:
         sys.stdout.write("\n")
     ar = None
@@ -208,7 +218,14 @@ def generate_command(
     if ar is not None:
         line = f"speedup over plain decoding (same run): {report['speedup']:.2f}x"
         mode = "plain greedy decoding" if temperature == 0 else f"plain sampling with the same seed ({seed})"
-        line += f" — output identical to {mode}" if report["identical_to_ar"] else " — OUTPUT DIFFERS FROM AR"
+        if draft_sampling == "pq" and temperature > 0:
+            line += (
+                " — sampled drafts: an exact sample of the target, not plain sampling's tokens for this seed"
+            )
+        else:
+            line += (
+                f" — output identical to {mode}" if report["identical_to_ar"] else " — OUTPUT DIFFERS FROM AR"
+            )
         console.print(line)
     if untrained:
         console.print(
