@@ -39,11 +39,13 @@ def test_verify_block_pq_rules():
     assert (a, out) == (1, [0, 0])  # x2 = 2 rejected (u 0.9 > 0.8): p[1] without token 2 -> [0.5, 0.5, 0]
 
 
-@pytest.mark.parametrize("kind", ["v1-auto", "dflash2-fixed"])
+@pytest.mark.parametrize("kind", ["v1-fixed", "v1-auto", "dflash2-fixed"])
 def test_sampled_drafts_give_the_target_s_law(small_target, kind):  # noqa: F811
     """The joint law of the first three tokens under speculative sampling, over 8,000 rows decoded in batches among
     rows of other lengths, rows joining and leaving (continuous batching, at most 12): chi-square p > 1e-3 and
-    total variation < 0.05, as the seed-exact path's tests. Drafts are accepted and rejected both."""
+    total variation < 0.05, as the seed-exact path's tests. With fixed blocks, drafts are accepted and rejected both
+    (the cost-aware policy corrects its prices with measured step times, so how often it drafts varies by machine;
+    it mixes sampled drafts, lookup drafts and plain steps)."""
     target = Target(small_target)
     params = SamplingParams(temperature=0.9, top_p=0.95)
     arch = "dflash2" if kind.startswith("dflash2") else "dflash"
@@ -84,7 +86,11 @@ def test_sampled_drafts_give_the_target_s_law(small_target, kind):  # noqa: F811
             rejected += sum(
                 d - a for d, a in zip(results[i].draft_lengths, results[i].accepted_drafts, strict=True)
             )
-    assert accepted > N_PQ // 4 and rejected > N_PQ // 4, (accepted, rejected)  # both paths were exercised
+    if block != "auto":
+        assert accepted > N_PQ // 4 and rejected > N_PQ // 4, (
+            accepted,
+            rejected,
+        )  # both paths were exercised
     assert_same_law(samples, exact_joint(small_target, params), N_PQ)
 
 
