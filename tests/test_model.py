@@ -226,6 +226,7 @@ def test_scaled_rope_equals_transformers_and_survives_a_checkpoint(tmp_path, rop
     """yarn / llama3 / linear RoPE (the Kimi drafters' keys): the drafter's cos/sin equal transformers' Qwen3 rotary
     embedding (z-lab's drafter uses it) at the same positions, attention factor included, and the scaling is written
     back and read again with the weights."""
+    import transformers
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
@@ -237,9 +238,13 @@ def test_scaled_rope_equals_transformers_and_survives_a_checkpoint(tmp_path, rop
     draft = DFlashDraftModel(cfg).eval()
     positions = torch.tensor([[0, 5, 900, 3000]])
     cos, sin = draft.rotary_emb(positions, torch.float32)
+    if transformers.__version__.startswith("4."):  # the RoPE keys moved in transformers 5
+        keys = {"rope_scaling": dict(rope), "rope_theta": cfg.rope_theta}
+    else:
+        keys = {"rope_parameters": {**rope, "rope_theta": cfg.rope_theta}}
     hf = Qwen3Config(
         hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
-        max_position_embeddings=4096, rope_parameters={**rope, "rope_theta": cfg.rope_theta},
+        max_position_embeddings=4096, **keys,
     )  # fmt: skip
     ref_cos, ref_sin = Qwen3RotaryEmbedding(hf)(torch.zeros(1, 4, cfg.head_dim), positions)
     torch.testing.assert_close(cos[:, 0], ref_cos)

@@ -21,6 +21,7 @@ sees context positions strictly before its anchor and the keys of its own block 
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +60,26 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def qwen3_rope_config(
+    hidden_size: int, heads: int, head_dim: int, max_positions: int, theta: float, scaling: dict
+):
+    """A transformers Qwen3Config carrying this RoPE, in the installed transformers' convention: 5.x reads
+    `rope_parameters` (theta inside), 4.x `rope_scaling` and `rope_theta` apart."""
+    from transformers import Qwen3Config
+
+    if "rope_parameters" in inspect.signature(Qwen3Config.__init__).parameters:
+        rope = {"rope_parameters": {**scaling, "rope_theta": theta}}
+    else:
+        rope = {"rope_scaling": dict(scaling), "rope_theta": theta}
+    return Qwen3Config(
+        hidden_size=hidden_size,
+        num_attention_heads=heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_positions,
+        **rope,
+    )
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style RoPE (the Qwen3/Llama convention) evaluated at arbitrary absolute positions. A non-default
     `rope_scaling` (linear, yarn, llama3) gets its frequencies and attention factor from transformers' own RoPE
@@ -68,21 +89,21 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         head_dim, self.attention_factor = config.head_dim, 1.0
         if config.rope_scaling:
-            from transformers import Qwen3Config
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            rope = {**config.rope_scaling, "rope_theta": config.rope_theta}
-            hf = Qwen3Config(
-                hidden_size=config.hidden_size,
-                num_attention_heads=config.num_attention_heads,
-                head_dim=head_dim,
-                max_position_embeddings=config.max_position_embeddings,
-                rope_parameters=rope,
+            hf = qwen3_rope_config(
+                config.hidden_size,
+                config.num_attention_heads,
+                head_dim,
+                config.max_position_embeddings,
+                config.rope_theta,
+                config.rope_scaling,
             )
             with torch.device(
                 "cpu"
             ):  # real numbers even while a checkpoint is being built on the meta device
-                inv_freq, self.attention_factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, "cpu")
+                rope_type = config.rope_scaling["rope_type"]
+                inv_freq, self.attention_factor = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
             inv_freq = inv_freq.float()
         else:
             inv_freq = 1.0 / (
