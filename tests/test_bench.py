@@ -292,6 +292,32 @@ def test_bench_end_to_end_every_method(tiny, tmp_path):
     assert "(run/report.md)" in text and "![speedup](run/speedup.png)" in text
 
 
+def test_sampled_bench_compares_the_seed_exact_methods(tiny, tmp_path):
+    """At T>0 dflash draws ar's tokens for the same seed (seed-keyed sampling), so the bench compares it with ar and
+    finds every output equal; dflash-pq (rejection sampling) and transformers' sampling are not compared."""
+    cfg = BenchConfig(
+        target=str(tiny / "target"),
+        draft=str(tiny / "draft"),
+        datasets=[str(tiny / "chat.jsonl")],
+        methods=["ar", "hf", "dflash", "dflash-pq"],
+        temperature=1.0,
+        max_samples=2,
+        max_new_tokens=12,
+        out_dir=tmp_path,
+        plots=False,
+        threads=1,
+        show_progress=False,
+    )
+    results = run_bench(cfg)
+    eq, summary = results["equality"], results["summary"]["chat"]
+    assert eq["checked"] and eq["temperature"] == 1.0 and eq["mismatches"] == 0, eq["details"]
+    assert summary["dflash"]["compared"] == 3 and eq["compared"] == 3
+    assert summary["dflash-pq"]["compared"] == 0 and summary["hf"]["compared"] == 0
+    report = (tmp_path / "report.md").read_text()
+    assert "All 3 outputs are token-for-token identical to `ar` (sampled at T=1" in report
+    assert "| dflash-pq |" in report and "not compared (sampled)" in report
+
+
 def test_mismatch_is_counted_and_shown(tiny, tmp_path, monkeypatch):
     original = LocalMethods.run
 

@@ -31,6 +31,11 @@ METHODS: dict[str, str] = {
 
 DFLASH_METHODS = ("dflash", "dflash-fixed", "dflash-pq")
 
+# Methods whose sampled output is seed-exact: at T > 0 they emit the tokens ar draws with the same seed (the engine's
+# seed-keyed sampler), so their outputs are compared with ar's at every temperature. dflash-pq draws by rejection
+# (another law of the same distribution) and transformers' methods by torch's generator: compared at T=0 only.
+SEED_EXACT_METHODS = ("dflash", "dflash-fixed")
+
 
 REFERENCE = "ar"  # the output every method must reproduce at T=0, and the first speedup baseline
 

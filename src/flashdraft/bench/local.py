@@ -16,6 +16,7 @@ from ..progress import busy_machine_warning
 from .config import (
     DFLASH_METHODS,
     REFERENCE,
+    SEED_EXACT_METHODS,
     BenchConfig,
     BenchError,
     console,
@@ -336,7 +337,7 @@ def _run_local(cfg: BenchConfig, datasets: list[BenchDataset]) -> dict[str, Any]
                                     stop_reason=out.stop_reason,
                                     output_ids=out.new_ids,
                                 )
-                                if greedy and method != REFERENCE:
+                                if method != REFERENCE and (greedy or method in SEED_EXACT_METHODS):
                                     rec.first_mismatch = first_difference(ref.new_ids, out.new_ids)
                                     rec.matches_reference = rec.first_mismatch is None
                                     if not rec.matches_reference:
@@ -424,7 +425,8 @@ def _local_results(
         },
         "summary": summary,
         "equality": {
-            "checked": cfg.temperature == 0,
+            "checked": any(r.matches_reference is not None for r in records),
+            "temperature": cfg.temperature,
             "reference": REFERENCE,
             "mismatches": len(mismatches),
             "compared": sum(1 for r in records if r.matches_reference is not None),

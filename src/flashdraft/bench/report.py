@@ -28,24 +28,32 @@ def _write_json(path: Path, data: Any) -> None:
     tmp.replace(path)
 
 
-def _equal_cell(method: str, s: dict[str, Any], checked: bool, reference: str, unchecked: str) -> str:
-    """How many outputs of `method` equal the reference's (the reference itself and T>0 runs say so)."""
+def _equal_cell(method: str, s: dict[str, Any], reference: str, unchecked: str) -> str:
+    """How many outputs of `method` equal the reference's (the reference itself and methods not compared say so:
+    at T>0 only the seed-exact ones are)."""
     if method == REFERENCE:
         return reference
-    if not checked:
+    if not s["compared"]:
         return unchecked
     return f"{s['compared'] - s['mismatches']}/{s['compared']}"
 
 
-def _method_table(by_method: dict[str, dict[str, Any]], checked: bool) -> list[str]:
+def _seed_note(eq: dict[str, Any]) -> str:
+    """At T>0 only seed-exact methods are compared: say so beside the count."""
+    if not eq.get("temperature"):
+        return ""
+    return f" (sampled at T={eq['temperature']:g} with the same seed: the seed-exact methods)"
+
+
+def _method_table(by_method: dict[str, dict[str, Any]]) -> list[str]:
     lines = [
         "| method | prompts | new tokens | tok/s | decode tok/s | TPOT ms | TTFT ms | speedup vs ar | "
         "speedup vs hf | τ | equal to ar |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for method, s in by_method.items():
-        equal = _equal_cell(method, s, checked, "reference", "not checked (T>0)")
-        equal += " **MISMATCH**" if method != REFERENCE and checked and s["mismatches"] else ""
+        equal = _equal_cell(method, s, "reference", "not compared (sampled)")
+        equal += " **MISMATCH**" if method != REFERENCE and s["mismatches"] else ""
         lines.append(
             f"| {method} | {s['samples']} | {s['new_tokens']} | {_fmt(s['tokens_per_s'], '.1f')} | "
             f"{_fmt(s['decode_tokens_per_s'], '.1f')} | {_fmt(s['tpot_s'], '.1f', 1000)} | "
@@ -175,15 +183,18 @@ def render_report(results: dict[str, Any]) -> str:
             "",
         ]
     for group, by_method in results["summary"].items():
-        lines += [f"## {group}", "", *_method_table(by_method, eq["checked"]), ""]
+        lines += [f"## {group}", "", *_method_table(by_method), ""]
         for method, summary in by_method.items():
             if summary.get("slot_acceptance"):
                 lines += _acceptance_tables(f"{group}, {method}", summary)
     lines += ["## Output equality", ""]
     if not eq["checked"]:
-        lines += ["Not checked: temperature > 0 (outputs are samples).", ""]
+        lines += ["Not checked: temperature > 0 and no seed-exact method (outputs are samples).", ""]
     elif eq["mismatches"] == 0:
-        lines += [f"All {eq['compared']} outputs are token-for-token identical to `{eq['reference']}`.", ""]
+        lines += [
+            f"All {eq['compared']} outputs are token-for-token identical to `{eq['reference']}`{_seed_note(eq)}.",
+            "",
+        ]
     else:
         lines += [
             f"**{eq['mismatches']} of {eq['compared']} outputs differ from `{eq['reference']}`** "
@@ -335,7 +346,7 @@ def render_readme_section(results: dict[str, Any], readme_dir: Path) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for group, by_method in results["summary"].items():
-        for row in _method_table(by_method, eq["checked"])[2:]:
+        for row in _method_table(by_method)[2:]:
             cells = row.strip("|").split("|")
             # method table columns: method, prompts, new tokens, tok/s, decode tok/s, TPOT, TTFT, vs ar, vs hf, τ, equal
             keep = [cells[0], cells[1], cells[3], cells[5], cells[6], cells[7], cells[8], cells[9], cells[10]]
@@ -359,7 +370,8 @@ def render_readme_section(results: dict[str, Any], readme_dir: Path) -> str:
     lines += [
         "",
         (
-            f"Output equality at T=0: {eq['compared'] - eq['mismatches']} of {eq['compared']} outputs identical to ar."
+            f"Output equality: {eq['compared'] - eq['mismatches']} of {eq['compared']} outputs identical to ar"
+            f"{_seed_note(eq)}."
             if eq["checked"]
             else "Output equality not checked (temperature > 0)."
         ),
@@ -412,23 +424,22 @@ def print_summary(results: dict[str, Any]) -> None:
         if errors:
             out.print(f"[yellow]{errors} request(s) failed; see report.md[/]")
     else:
-        checked = results["equality"]["checked"]
         for group, by_method in results["summary"].items():
             table = Table(title=group)
             for col in ("method", "tok/s", "TPOT ms", "TTFT ms", "vs ar", "vs hf", "τ", "= ar"):
                 table.add_column(col)
             for method, s in by_method.items():
-                equal = _equal_cell(method, s, checked, "ref", "—")
+                equal = _equal_cell(method, s, "ref", "—")
                 table.add_row(
                     method, _fmt(s["tokens_per_s"], ".1f"), _fmt(s["tpot_s"], ".1f", 1000),
                     _fmt(s["ttft_s"], ".1f", 1000), _fmt(s["speedup_vs_ar"], suffix="×"),
                     _fmt(s["speedup_vs_hf"], suffix="×"), _fmt(s["tau"]),
-                    equal if not (checked and s["mismatches"]) else f"[bold red]{equal}[/]",
+                    equal if not s["mismatches"] else f"[bold red]{equal}[/]",
                 )  # fmt: skip
             out.print(table)
         eq = results["equality"]
         if eq["checked"] and eq["mismatches"]:
             out.print(f"[bold red]{eq['mismatches']} output(s) differ from ar[/]; see report.md")
         elif eq["checked"]:
-            out.print(f"all {eq['compared']} outputs identical to ar")
+            out.print(f"all {eq['compared']} outputs identical to ar{_seed_note(eq)}")
     out.print(f"results in {results['out_dir']}")
