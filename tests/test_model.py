@@ -256,6 +256,57 @@ def test_scaled_rope_equals_transformers_and_survives_a_checkpoint(tmp_path, rop
     torch.testing.assert_close(loaded.rotary_emb(positions, torch.float32)[0], cos)
 
 
+def test_gpt_j_style_rope_when_is_neox_style_is_false(tmp_path):
+    """`is_neox_style: false` rotates channel pairs (2i, 2i + 1): the attention scores equal those of RoPE applied
+    to each pair as a complex number, and differ from the neox style's; the key is written back."""
+    raw = small_config().to_dict()
+    raw["is_neox_style"] = False
+    cfg = DFlashConfig.from_dict(raw)
+    assert cfg.rope_interleaved and cfg.to_dict()["is_neox_style"] is False
+    assert "is_neox_style" not in small_config().to_dict()
+    torch.manual_seed(0)
+    draft = DFlashDraftModel(cfg).eval()
+    attn = draft.layers[0].self_attn
+    x, positions = torch.randn(1, 5, cfg.hidden_size), torch.tensor([[0, 3, 7, 20, 41]])
+    cos, sin = draft.rotary_emb(positions, torch.float32)
+    with torch.no_grad():
+        k, _ = attn.project_kv(x, cos, sin)
+        raw_k = attn.k_norm(attn._heads(attn.k_proj(x), attn.num_kv_heads))  # [1, heads, 5, d]
+    angles = positions[0, :, None].float() * draft.rotary_emb.inv_freq  # [5, d/2]
+    pairs = torch.view_as_complex(raw_k.reshape(*raw_k.shape[:-1], -1, 2).contiguous())
+    reference = torch.view_as_real(pairs * torch.polar(torch.ones_like(angles), angles)).flatten(-2)
+    torch.testing.assert_close(k @ k.transpose(-1, -2), reference @ reference.transpose(-1, -2))
+    neox = DFlashDraftModel(small_config()).eval()
+    neox.load_state_dict(draft.state_dict())
+    with torch.no_grad():
+        k_neox, _ = neox.layers[0].self_attn.project_kv(x, cos, sin)
+    assert not torch.allclose(k_neox @ k_neox.transpose(-1, -2), k @ k.transpose(-1, -2))
+    draft.save_pretrained(tmp_path, dtype=torch.float32)
+    assert DFlashDraftModel.from_pretrained(tmp_path).config.rope_interleaved
+
+
+def test_vllm_capture_ids_set_the_taps():
+    """`eagle_aux_hidden_state_layer_ids` (vLLM: the input of layer i, i.e. the output of layer i - 1) wins over
+    target_layer_ids and is kept on export; ids below 1 are one clear error."""
+    raw = small_config().to_dict()
+    raw["eagle_aux_hidden_state_layer_ids"] = [2, 4, 6]
+    cfg = DFlashConfig.from_dict(raw)
+    assert cfg.target_layer_ids == [1, 3, 5]
+    assert cfg.to_dict()["eagle_aux_hidden_state_layer_ids"] == [2, 4, 6]
+    raw["eagle_aux_hidden_state_layer_ids"] = [0, 2]
+    with pytest.raises(DFlashConfigError, match="eagle_aux_hidden_state_layer_ids"):
+        DFlashConfig.from_dict(raw)
+
+
+def test_mask_embedding_file_is_refused(tmp_path):
+    """A `mask_embedding.pt` beside the weights (vLLM overrides the mask token's input row with it) is refused in
+    one line, not ignored."""
+    DFlashDraftModel(small_config()).save_pretrained(tmp_path)
+    torch.save(torch.zeros(64), tmp_path / "mask_embedding.pt")
+    with pytest.raises(DFlashCheckpointError, match="mask_embedding.pt"):
+        DFlashDraftModel.from_pretrained(tmp_path)
+
+
 def test_weights_round_trip_with_zlab_names(tmp_path):
     torch.manual_seed(0)
     model = DFlashDraftModel(small_config())

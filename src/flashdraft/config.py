@@ -52,6 +52,8 @@ _KNOWN_DFLASH_KEYS = {
     "input_embedding_scale",
     "output_multiplier",
     "final_logit_softcapping",
+    "is_neox_style",
+    "eagle_aux_hidden_state_layer_ids",
     *DFLASH2_KEYS,
     # Training metadata only; harmless for inference.
     "num_anchors",
@@ -108,6 +110,9 @@ class DFlashConfig:
     # Non-default RoPE (rope_type linear / yarn / llama3 and its parameters), computed by transformers' own RoPE
     # functions; None = plain RoPE at rope_theta.
     rope_scaling: dict[str, Any] | None = None
+    # GPT-J style RoPE (rotating channel pairs 2i, 2i+1) for a drafter whose config says `is_neox_style: false`;
+    # the default is the neox / Qwen3 style (channels i and i + d/2).
+    rope_interleaved: bool = False
     max_position_embeddings: int = 32768
     attention_bias: bool = False
     layer_types: list[str] = field(default_factory=list)
@@ -307,6 +312,17 @@ class DFlashConfig:
         if "mask_token_id" not in dflash:
             raise DFlashConfigError("dflash_config.mask_token_id is missing")
         target_layer_ids = dflash.get("target_layer_ids")
+        # vLLM's capture ids (the input of layer i, i.e. the output of layer i - 1) win over target_layer_ids there;
+        # kept as they are on export.
+        eagle_ids = d.get("eagle_aux_hidden_state_layer_ids", dflash.get("eagle_aux_hidden_state_layer_ids"))
+        if eagle_ids is not None:
+            if not isinstance(eagle_ids, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in eagle_ids
+            ):
+                raise DFlashConfigError(
+                    f"eagle_aux_hidden_state_layer_ids={eagle_ids!r} must be a list of layer indices >= 1"
+                )
+            target_layer_ids = [i - 1 for i in eagle_ids]
         if target_layer_ids is None:
             # z-lab's code default ties the number of taps to the number of draft layers.
             target_layer_ids = build_target_layer_ids(num_target_layers, num_hidden_layers)
@@ -343,6 +359,9 @@ class DFlashConfig:
                 SLIDING_ATTENTION if sliding and i >= max_window_layers else FULL_ATTENTION
                 for i in range(num_hidden_layers)
             ]
+        neox = d.pop("is_neox_style", dflash.get("is_neox_style", True))
+        if not isinstance(neox, bool):
+            raise DFlashConfigError(f"is_neox_style={neox!r} must be true or false")
         is_causal = d.pop("is_causal", None)
         if is_causal is None:  # not read by z-lab's package, but some converters write it
             is_causal = dflash.get("causal")
@@ -369,6 +388,7 @@ class DFlashConfig:
             rms_norm_eps=float(d.pop("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             rope_scaling=scaling,
+            rope_interleaved=not neox,
             max_position_embeddings=int(d.pop("max_position_embeddings", 32768)),
             attention_bias=bool(d.pop("attention_bias", False)),
             layer_types=list(layer_types),
@@ -452,6 +472,8 @@ class DFlashConfig:
         }
         if self.causal is not None:
             out["is_causal"] = self.causal
+        if self.rope_interleaved:
+            out["is_neox_style"] = False
         if self.flashdraft:
             out["flashdraft"] = self.flashdraft
         for key, value in self.extra.items():

@@ -124,6 +124,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+def neox_channel_order(head_dim: int) -> torch.Tensor:
+    """The channel order that turns GPT-J style RoPE into the neox style: pairs (2i, 2i + 1) become (i, i + d/2).
+    Attention reads q and k only through q . k, so permuting the channels of both alike changes nothing else."""
+    return torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+
+
 class DFlashMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -148,6 +154,12 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rope_order = neox_channel_order(self.head_dim) if config.rope_interleaved else None
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.rope_order is not None:  # GPT-J style (is_neox_style: false)
+            x = x[..., self.rope_order.to(x.device)]
+        return apply_rope(x, cos, sin)
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         b, s, _ = x.shape
@@ -157,7 +169,7 @@ class DFlashAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of `x` (context or block) with k_norm and RoPE: the same projections for both (KV injection)."""
-        k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), cos, sin)
+        k = self._rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), cos, sin)
         v = self._heads(self.v_proj(x), self.num_kv_heads)
         return k, v
 
@@ -171,7 +183,7 @@ class DFlashAttention(nn.Module):
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         b, q_len, _ = x.shape
-        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
+        q = self._rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
         block_k, block_v = self.project_kv(x, cos, sin)
         k = torch.cat([context_k, block_k], dim=2)
         v = torch.cat([context_v, block_v], dim=2)
@@ -541,6 +553,11 @@ class DFlashDraftModel(nn.Module):
 
         path = Path(_resolve_draft_path(path))
         config = DFlashConfig.from_pretrained(path)
+        if (path / "mask_embedding.pt").exists():
+            raise DFlashCheckpointError(
+                f"{path / 'mask_embedding.pt'} overrides the mask token's input embedding (vLLM's loader reads it), "
+                "which flashdraft does not implement; refusing to load rather than drafting from another input"
+            )
         weights = path / WEIGHTS_NAME
         if not weights.exists():
             shards = sorted(path.glob("model-*.safetensors"))
