@@ -282,7 +282,9 @@ def test_gpt_j_style_rope_when_is_neox_style_is_false(tmp_path):
         k_neox, _ = neox.layers[0].self_attn.project_kv(x, cos, sin)
     assert not torch.allclose(k_neox @ k_neox.transpose(-1, -2), k @ k.transpose(-1, -2))
     draft.save_pretrained(tmp_path, dtype=torch.float32)
-    assert DFlashDraftModel.from_pretrained(tmp_path).config.rope_interleaved
+    loaded = DFlashDraftModel.from_pretrained(tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.layers[0].self_attn.project_kv(x, cos, sin)[0], k)
 
 
 def test_vllm_capture_ids_set_the_taps():
@@ -298,13 +300,48 @@ def test_vllm_capture_ids_set_the_taps():
         DFlashConfig.from_dict(raw)
 
 
-def test_mask_embedding_file_is_refused(tmp_path):
-    """A `mask_embedding.pt` beside the weights (vLLM overrides the mask token's input row with it) is refused in
-    one line, not ignored."""
-    DFlashDraftModel(small_config()).save_pretrained(tmp_path)
-    torch.save(torch.zeros(64), tmp_path / "mask_embedding.pt")
-    with pytest.raises(DFlashCheckpointError, match="mask_embedding.pt"):
-        DFlashDraftModel.from_pretrained(tmp_path)
+def test_mask_embedding_file_replaces_the_mask_row(tmp_path):
+    """A `mask_embedding.pt` beside the weights (vLLM's loader reads it) is the mask slots' input row: drafting with
+    it equals drafting with a target whose mask-token embedding row is that vector; it survives save and
+    `as_dflash2`; a file of the wrong size is one clear error."""
+    from transformers import AutoModelForCausalLM
+
+    from flashdraft.proposers import DFlashProposer
+
+    torch.manual_seed(0)
+    target_model = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
+    draft = DFlashDraftModel.for_target(
+        target_model.config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1
+    )
+    draft.eval().save_pretrained(tmp_path / "plain", dtype=torch.float32)
+    draft.save_pretrained(tmp_path / "masked", dtype=torch.float32)
+    row = torch.randn(target_model.config.hidden_size) * 3
+    torch.save(row, tmp_path / "masked" / "mask_embedding.pt")
+    masked = DFlashDraftModel.from_pretrained(tmp_path / "masked", dtype=torch.float32)
+    torch.testing.assert_close(masked.mask_embedding, row)
+    prompt = torch.tensor([[5, 9, 11, 3, 7, 2]])
+
+    def draft_logits(drafter, model):
+        target = Target(model)
+        proposer = DFlashProposer(drafter, target)
+        proposer.start(target.features(prompt[:, :-1], list(drafter.target_layer_ids)))
+        return proposer.draft_logits(int(prompt[0, -1]), prompt.shape[1] - 1, 3)
+
+    plain = DFlashDraftModel.from_pretrained(tmp_path / "plain", dtype=torch.float32)
+    swapped = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
+    swapped.load_state_dict(target_model.state_dict())
+    with torch.no_grad():
+        swapped.get_input_embeddings().weight[VOCAB - 1] = row
+    with torch.no_grad():
+        ours = draft_logits(masked, target_model)
+        torch.testing.assert_close(ours, draft_logits(plain, swapped))
+        assert not torch.allclose(ours, draft_logits(plain, target_model))
+    masked.save_pretrained(tmp_path / "again", dtype=torch.float32)
+    torch.testing.assert_close(torch.load(tmp_path / "again" / "mask_embedding.pt"), row)
+    assert masked.as_dflash2().mask_embedding is masked.mask_embedding
+    torch.save(torch.zeros(7), tmp_path / "masked" / "mask_embedding.pt")
+    with pytest.raises(DFlashCheckpointError, match="one embedding row"):
+        DFlashDraftModel.from_pretrained(tmp_path / "masked")
 
 
 def test_weights_round_trip_with_zlab_names(tmp_path):

@@ -124,10 +124,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-def neox_channel_order(head_dim: int) -> torch.Tensor:
-    """The channel order that turns GPT-J style RoPE into the neox style: pairs (2i, 2i + 1) become (i, i + d/2).
-    Attention reads q and k only through q . k, so permuting the channels of both alike changes nothing else."""
-    return torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+def neox_channel_order(x: torch.Tensor) -> torch.Tensor:
+    """Channels (x0, x1, x2, x3, ...) reordered as (x0, x2, ..., x1, x3, ...): GPT-J style RoPE's pairs (2i, 2i + 1)
+    become the neox style's (i, i + d/2). Attention reads q and k only through q . k, so reordering the channels of
+    both alike changes nothing else."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
 
 
 class DFlashMLP(nn.Module):
@@ -154,11 +155,11 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.rope_order = neox_channel_order(self.head_dim) if config.rope_interleaved else None
+        self.rope_interleaved = config.rope_interleaved
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.rope_order is not None:  # GPT-J style (is_neox_style: false)
-            x = x[..., self.rope_order.to(x.device)]
+        if self.rope_interleaved:  # GPT-J style (is_neox_style: false)
+            x = neox_channel_order(x)
         return apply_rope(x, cos, sin)
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
@@ -240,10 +241,35 @@ class DFlashDecoderLayer(nn.Module):
         return x + self.mlp_conv.finish(self.mlp(h), dyn, block_len)
 
 
-def block_inputs(config: DFlashConfig, embedding_weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+MASK_EMBEDDING_NAME = "mask_embedding.pt"
+
+
+def _load_mask_embedding(file: Path, hidden_size: int) -> torch.Tensor | None:
+    """The mask token's input row a checkpoint ships beside its weights (vLLM's `mask_embedding.pt`), or None."""
+    if not file.exists():
+        return None
+    try:
+        row = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is one line
+        raise DFlashCheckpointError(f"cannot read {file}: {e}") from None
+    if not isinstance(row, torch.Tensor) or row.numel() != hidden_size or not row.is_floating_point():
+        raise DFlashCheckpointError(f"{file} must hold one embedding row of {hidden_size} floats")
+    return row.reshape(hidden_size).float()
+
+
+def block_inputs(
+    config: DFlashConfig,
+    embedding_weight: torch.Tensor,
+    ids: torch.Tensor,
+    mask_embedding: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The drafter's input for block token ids, as z-lab computes it: the target's raw embedding rows times
-    `input_embedding_scale` (the target's embedding module, its scaling or extra norm, is not applied)."""
+    `input_embedding_scale` (the target's embedding module, its scaling or extra norm, is not applied). A drafter
+    shipping `mask_embedding.pt` (vLLM's loader reads it) has that row in place of the mask token's."""
     rows = F.embedding(ids, embedding_weight)
+    if mask_embedding is not None:
+        is_mask = (ids == config.mask_token_id)[..., None]
+        rows = torch.where(is_mask, mask_embedding.to(device=rows.device, dtype=rows.dtype), rows)
     return rows * config.input_embedding_scale if config.input_embedding_scale != 1.0 else rows
 
 
@@ -293,6 +319,8 @@ class DFlashDraftModel(nn.Module):
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.candidate_selector = CandidateSelector(config) if config.is_dflash2 else None
         self.rotary_emb = RotaryEmbedding(config)
+        # The mask token's input row when the checkpoint ships one (`mask_embedding.pt`), else the target's row.
+        self.mask_embedding: torch.Tensor | None = None
         # Multi-block (training) attention: "auto" = FlexAttention block mask on CUDA, dense boolean mask elsewhere.
         self.attention_backend = "auto"
         self.reset_parameters()
@@ -541,6 +569,9 @@ class DFlashDraftModel(nn.Module):
         state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in self.state_dict().items()}
         self.config.dtype = next(name for name, dt in _DTYPES.items() if dt == dtype)
         atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
+        if self.mask_embedding is not None:
+            row = self.mask_embedding.detach().to(dtype).cpu().clone()
+            atomic_write(path / MASK_EMBEDDING_NAME, lambda tmp: torch.save(row, tmp))
         self.config.save_pretrained(path)
 
     @classmethod
@@ -553,11 +584,7 @@ class DFlashDraftModel(nn.Module):
 
         path = Path(_resolve_draft_path(path))
         config = DFlashConfig.from_pretrained(path)
-        if (path / "mask_embedding.pt").exists():
-            raise DFlashCheckpointError(
-                f"{path / 'mask_embedding.pt'} overrides the mask token's input embedding (vLLM's loader reads it), "
-                "which flashdraft does not implement; refusing to load rather than drafting from another input"
-            )
+        mask_embedding = _load_mask_embedding(path / MASK_EMBEDDING_NAME, config.hidden_size)
         weights = path / WEIGHTS_NAME
         if not weights.exists():
             shards = sorted(path.glob("model-*.safetensors"))
@@ -598,6 +625,7 @@ class DFlashDraftModel(nn.Module):
         model = model.to_empty(device=device or "cpu")
         model.load_state_dict({k: v.to(load_dtype) for k, v in state.items()}, strict=True)
         model.rotary_emb = RotaryEmbedding(config).to(device or "cpu")
+        model.mask_embedding = mask_embedding
         return model.to(load_dtype).eval()
 
     def as_dflash2(self, **settings: int) -> DFlashDraftModel:
@@ -617,6 +645,7 @@ class DFlashDraftModel(nn.Module):
         fresh = DFlashDraftModel(config).to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
         missing, unexpected = fresh.load_state_dict(self.state_dict(), strict=False)
         assert not unexpected and all("_conv." in k or k.startswith("candidate_selector.") for k in missing)
+        fresh.mask_embedding = self.mask_embedding
         return fresh
 
     def num_parameters(self) -> int:

@@ -153,7 +153,9 @@ class DFlashProposer(Proposer):
         return draft_logits(self.draft.config, hidden, self.head_weight, self.head_bias)
 
     def block_inputs(self, block_ids: torch.Tensor) -> torch.Tensor:
-        return block_inputs(self.draft.config, self.target.embed_tokens.weight, block_ids)
+        return block_inputs(
+            self.draft.config, self.target.embed_tokens.weight, block_ids, self.draft.mask_embedding
+        )
 
     @torch.no_grad()
     def draft_confidences(

@@ -109,6 +109,11 @@ def _config(draft: torch.nn.Module) -> DFlashConfig:
     return getattr(draft, "module", draft).config
 
 
+def _block_inputs(draft: torch.nn.Module, target: Target, ids: torch.Tensor) -> torch.Tensor:
+    inner = getattr(draft, "module", draft)
+    return block_inputs(inner.config, target.embed_tokens.weight, ids, inner.mask_embedding)
+
+
 def draft_hidden_for_blocks(
     draft: torch.nn.Module, target: Target, features: torch.Tensor, blocks: Blocks, num_blocks: int
 ) -> torch.Tensor:
@@ -116,7 +121,7 @@ def draft_hidden_for_blocks(
     The drafter's attention rule keeps block j to context < anchor_j and to itself. Returns [N*B, H]."""
     seq_len = features.shape[0]
     device = features.device
-    block_embeds = block_inputs(_config(draft), target.embed_tokens.weight, blocks.input_ids.to(device))[None]
+    block_embeds = _block_inputs(draft, target, blocks.input_ids.to(device))[None]
     context_positions = torch.arange(seq_len, device=device)[None]
     hidden = draft(
         block_embeds,
@@ -163,7 +168,7 @@ def draft_hidden_for_padded_blocks(
     device = features.device
     context_positions = torch.arange(s_max, device=device).repeat(k, 1)
     return draft(
-        block_inputs(_config(draft), target.embed_tokens.weight, blocks.input_ids.to(device)),
+        _block_inputs(draft, target, blocks.input_ids.to(device)),
         blocks.positions.to(device),
         target_features=features,
         context_positions=context_positions,
