@@ -161,6 +161,28 @@ def test_loss_mask_marks_exactly_the_greedy_answer(target, files, tmp_path):
     assert item["input_ids"].shape == item["loss_mask"].shape and "features" not in item
 
 
+def test_packed_data_equals_the_directory(target, files, tmp_path):
+    """`flashdraft data pack` writes one compressed file that reads back as the same sequences, masks and manifest
+    (what `train --data` sees); a wrong name or a damaged file is one line."""
+    from typer.testing import CliRunner
+
+    run(target, [files["gsm"], files["share"]], tmp_path / "d")
+    runner = CliRunner()
+    r = runner.invoke(data_app, ["pack", str(tmp_path / "d"), "--out", str(tmp_path / "p" / "set.npz")])
+    assert r.exit_code == 0 and "sequences" in r.output, r.output
+    plain, packed = TrainingData(tmp_path / "d"), TrainingData(tmp_path / "p" / "set.npz")
+    assert packed.ids == plain.ids and packed.manifest == plain.manifest and len(packed) == len(plain) > 1
+    assert packed.lengths == plain.lengths
+    for a, b in zip(plain, packed, strict=True):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        assert b["input_ids"].dtype == torch.long and b["loss_mask"].dtype == torch.bool
+    r = runner.invoke(data_app, ["pack", str(tmp_path / "d"), "--out", str(tmp_path / "set.zip")])
+    assert r.exit_code == 1 and ".npz" in r.output and "Traceback" not in r.output
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    with pytest.raises(DataError, match="cannot read packed data"):
+        TrainingData(tmp_path / "bad.npz")
+
+
 def test_multi_turn_conditions_on_own_answers(target, files, tmp_path):
     run(target, [files["zlab"]], tmp_path, max_turns=2)
     recs = records(tmp_path)

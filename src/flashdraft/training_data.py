@@ -66,8 +66,62 @@ def _read_sequences(data_dir: Path) -> tuple[list[str], np.ndarray, np.ndarray, 
     return ids, offsets, flat_ids, flat_mask
 
 
+# A packed data set: one compressed file any machine (or a lent GPU) can train from at once, instead of a directory
+# of JSON shards (token ids as uint16 when the vocabulary allows, loss masks as bits).
+PACKED_FORMAT = "flashdraft-packed-data"
+
+
+def pack_data(data_dir: str | Path, out: str | Path) -> dict[str, Any]:
+    """Write the sequences of a regenerated data directory, with its manifest, to one compressed `.npz` file;
+    returns its summary (sequences, tokens, bytes)."""
+    data = TrainingData(data_dir, features=False)
+    out = Path(out)
+    if out.suffix != ".npz":
+        raise DataError(f"a packed data set is a .npz file, not {out}")
+    vocab = int(
+        data.manifest.get("target_config", {}).get("vocab_size") or int(data._ids_flat.max(initial=0)) + 1
+    )
+    dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
+    arrays = {
+        "format": np.array(PACKED_FORMAT),
+        "manifest": np.array(json.dumps(data.manifest, ensure_ascii=False)),
+        "ids": np.array("\n".join(data.ids)),
+        "offsets": data._offsets,
+        "input_ids": data._ids_flat.astype(dtype),
+        "loss_mask": np.packbits(data._mask_flat),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out, lambda tmp: _save_npz(tmp, arrays))
+    return {"sequences": len(data.ids), "tokens": int(data._offsets[-1]), "bytes": out.stat().st_size}
+
+
+def _save_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    with open(path, "wb") as f:  # a file object: numpy would append .npz to a temporary name
+        np.savez_compressed(f, **arrays)
+
+
+def _read_packed(path: Path) -> tuple[dict[str, Any], list[str], np.ndarray, np.ndarray, np.ndarray]:
+    """manifest, ids, offsets, flat input ids (int64), flat loss mask (bool) of a packed data set."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            if str(z["format"]) != PACKED_FORMAT:
+                raise DataError(f"{path} is not a packed flashdraft data set")
+            offsets = z["offsets"].astype(np.int64)
+            n = int(offsets[-1])
+            ids_flat = z["input_ids"].astype(np.int64)
+            mask_flat = np.unpackbits(z["loss_mask"], count=n).astype(bool)
+            manifest = json.loads(str(z["manifest"]))
+            ids = str(z["ids"]).split("\n") if len(offsets) > 1 else []
+    except (OSError, ValueError, KeyError, EOFError) as e:
+        raise DataError(f"cannot read packed data {path}: {e}") from None
+    if len(ids) != len(offsets) - 1 or len(ids_flat) != n:
+        raise DataError(f"packed data {path} is inconsistent (ids, offsets and tokens disagree)")
+    return manifest, ids, offsets, ids_flat, mask_flat
+
+
 class TrainingData(torch.utils.data.Dataset):
-    """The stored sequences of a data directory (or of the data directory a features directory points at).
+    """The stored sequences of a data directory (or of the data directory a features directory points at), or of a
+    packed data set (`pack_data`: one `.npz` file).
 
     Items are ``{"input_ids": LongTensor[S], "loss_mask": BoolTensor[S]}``, plus ``"features"``
     ``Tensor[S, T*H]`` when `path` holds offline features (``features=False`` ignores them).
@@ -75,10 +129,18 @@ class TrainingData(torch.utils.data.Dataset):
 
     def __init__(self, path: str | Path, *, features: bool = True) -> None:
         path = Path(path)
-        if not path.is_dir():
-            raise DataError(f"training data directory not found: {path}")
         self.path = path
         self.features_manifest: dict[str, Any] | None = None
+        self._rows: list[int] = []
+        self._feature_loc: list[tuple[str, int]] | None = None
+        self._handles: dict[str, Any] = {}
+        if path.is_file() and path.suffix == ".npz":
+            self.data_dir = None
+            self._manifest, self.ids, self._offsets, self._ids_flat, self._mask_flat = _read_packed(path)
+            self._rows = list(range(len(self.ids)))
+            return
+        if not path.is_dir():
+            raise DataError(f"training data directory (or packed .npz file) not found: {path}")
         fm_path = path / FEATURES_MANIFEST
         if features and fm_path.exists():
             self.features_manifest = read_json(fm_path)
@@ -96,8 +158,6 @@ class TrainingData(torch.utils.data.Dataset):
             raise DataError(f"{self.data_dir / MANIFEST} is not a flashdraft data manifest")
         self.ids, self._offsets, self._ids_flat, self._mask_flat = _read_sequences(self.data_dir)
         self._rows = list(range(len(self.ids)))
-        self._feature_loc: list[tuple[str, int]] | None = None
-        self._handles: dict[str, Any] = {}
         if self.features_manifest is not None:
             self._attach_features()
 
@@ -228,6 +288,10 @@ def compute_features(
         )
     data_dir, out = Path(data_dir), Path(out_dir)
     data = TrainingData(data_dir, features=False)
+    if data.data_dir is None:
+        raise DataError(
+            f"offline features are computed from a data directory, not a packed file ({data_dir})"
+        )
     info = data.manifest.get("target_config", {})
     mine = target_info(target)
     diff = [k for k in ("num_layers", "hidden_size", "vocab_size") if k in info and info[k] != mine[k]]

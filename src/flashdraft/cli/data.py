@@ -220,6 +220,25 @@ def _make_app():
             f"{out}: features of {c['sequences']} sequences ({c['tokens']} tokens), layers {layer_ids}"
         )
 
+    @app.command("pack")
+    def pack_cmd(
+        data_dir: Path = typer.Argument(
+            ..., help="A regenerated data directory (`flashdraft data regenerate`)."
+        ),
+        out: Path = typer.Option(..., "--out", help="The packed file to write (.npz)."),
+    ) -> None:
+        """Pack a data directory into one compressed .npz file (token ids, loss masks and the manifest) that
+        `flashdraft train --data` reads on any machine."""
+        from ..training_data import pack_data
+
+        try:
+            info = pack_data(data_dir, out)
+        except (DataError, OSError) as e:
+            fail(str(e))
+        typer.echo(
+            f"{out}: {info['sequences']} sequences, {info['tokens']} tokens, {info['bytes'] / 1e6:.2f} MB"
+        )
+
     @app.command("code-prompts")
     def code_prompts_cmd(
         out: Path = typer.Option(..., "--out", help="Prompt file to write (.jsonl, z-lab `turns` format)."),
