@@ -100,7 +100,10 @@ def init_draft(
 @one_line_errors
 def train(
     target: Annotated[str, typer.Option(help="target: pack name, local path or hub id")],
-    data: Annotated[list[Path], typer.Option(help="data dir from `flashdraft data regenerate` (repeatable)")],
+    data: Annotated[
+        list[Path],
+        typer.Option(help="data dir from `flashdraft data regenerate`, or a packed .npz (repeatable)"),
+    ],
     out: Annotated[Path, typer.Option(help="output directory (checkpoints, log, final drafter)")],
     num_layers: Annotated[int, typer.Option(help="draft layers")] = 5,
     block_size: Annotated[int | None, typer.Option(help="block size B (default 16, DFlash2 8)")] = None,
