@@ -314,7 +314,7 @@ class DFlashConfig:
         target_layer_ids = dflash.get("target_layer_ids")
         # vLLM's capture ids (the input of layer i, i.e. the output of layer i - 1) win over target_layer_ids there;
         # kept as they are on export.
-        eagle_ids = d.get("eagle_aux_hidden_state_layer_ids", dflash.get("eagle_aux_hidden_state_layer_ids"))
+        eagle_ids = dflash.get("eagle_aux_hidden_state_layer_ids", d.get("eagle_aux_hidden_state_layer_ids"))
         if eagle_ids is not None:
             if not isinstance(eagle_ids, list) or not all(
                 isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in eagle_ids
@@ -359,7 +359,8 @@ class DFlashConfig:
                 SLIDING_ATTENTION if sliding and i >= max_window_layers else FULL_ATTENTION
                 for i in range(num_hidden_layers)
             ]
-        neox = d.pop("is_neox_style", dflash.get("is_neox_style", True))
+        top_neox = d.pop("is_neox_style", True)
+        neox = dflash.get("is_neox_style", top_neox)
         if not isinstance(neox, bool):
             raise DFlashConfigError(f"is_neox_style={neox!r} must be true or false")
         is_causal = d.pop("is_causal", None)
