@@ -38,11 +38,9 @@ def serve_command(
     from ..extras import require_extra
 
     require_extra("serve", "fastapi", "uvicorn", "prometheus_client")
-    import uvicorn
-
     from ..generate import GenerationError
     from ..model import DFlashDraftModel, load_drafter_config
-    from ..serve import Engine, build_app
+    from ..serve import Engine, build_app, run_server
     from ..target import check_drafter_fits_config, load_target, parse_device, parse_dtype
 
     dev, torch_dtype = parse_device(device), parse_dtype(dtype)
@@ -67,13 +65,17 @@ def serve_command(
 
         costs = load_or_measure_costs(tgt, drafter, log=lambda m: console.print(m, soft_wrap=True))
     engine = Engine(
-        tgt, drafter, max_queue=max_queue, block_size=verify, max_batch_size=max_batch_size, costs=costs
+        tgt,
+        drafter,
+        max_queue=max_queue,
+        block_size=verify,
+        max_batch_size=max_batch_size,
+        costs=costs,
+        start=False,
     )
     name = served_model_name or target
     console.print(
         f"serving {name!r} ({'DFlash ' + str(draft) if draft else 'plain decoding'}) on http://{host}:{port}/v1"
     )
-    try:
-        uvicorn.run(build_app(engine, name), host=host, port=port, log_level="warning")
-    finally:
-        engine.close()
+    if not run_server(engine, build_app(engine, name), host, port):
+        raise typer.Exit(1)  # uvicorn has said why (e.g. the port is taken)

@@ -291,3 +291,32 @@ async def _sse(
         yield "data: [DONE]\n\n"
     finally:
         handle.cancel()  # the client went away mid-stream (or we are done): free the place at once
+
+
+def run_server(engine: Engine, app: FastAPI, host: str, port: int) -> bool:
+    """Serve `app` until SIGINT / SIGTERM, then drain: the HTTP server (uvicorn) in a thread, the engine's worker
+    on this one (the main thread: see `Engine.run` for why). Returns whether the server came up."""
+    import signal
+    import threading
+
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+
+    def http() -> None:
+        try:
+            server.run()  # outside the main thread uvicorn leaves the signals to us
+        finally:
+            engine.close(timeout=0)  # stop admitting; the worker answers what is left, then returns
+
+    handlers = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+    thread = threading.Thread(target=http, name="flashdraft-http", daemon=True)
+    thread.start()
+    try:
+        engine.run()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    return server.started
