@@ -157,3 +157,29 @@ def test_the_drafter_is_probed_before_lookup_can_win(tiny):
     repetitive = torch.tensor([[5, 6, 7, 8] * 5])  # prompt lookup matches from the first step on
     res = generate(target, BatchedDFlashProposer(draft, target, free), repetitive, 12, stop_token_ids=[])
     assert res.proposer_stats["steps_by_source"]["dflash"] >= 1
+
+
+def test_batched_verify_prices_each_shape_as_measured(tiny):
+    """Online corrections at several rows keep a factor per (rows, tokens per row): when 4 rows of 2+ tokens verify
+    at 3x the cost model's price and 4 rows of 1 token at its price, a per-row-count ratio alone (the old rule)
+    still verifies drafts that do not pay; per shape, the policy takes plain steps."""
+    target, draft = tiny
+    costs = cpu_like_costs()
+    proposer = BatchedDFlashProposer(draft, target, costs, lookup=False)
+    probs = [torch.full((3,), 0.6)] * 4
+    assert proposer._batch_rate(probs, 0.0, 100, 3)[0] > 0  # as priced by the cost model, drafts pay
+    for _ in range(20):
+        proposer.timed(4, 1, 100, float(costs.verify_s(4, 100)))
+        for tokens in (2, 3, 4):
+            proposer.timed(4, tokens, 100, 3 * float(costs.verify_s(4 * tokens, 100)))
+    level = proposer._verify_ratio(4)
+    blended = [
+        (4 * float(expected_tokens(torch.full((n,), 0.6))[-1]))
+        / (float(costs.verify_s(4 * (n + 1), 100)) * level)
+        for n in range(4)
+    ]
+    assert max(range(4), key=blended.__getitem__) > 0  # one ratio for every shape would still draft
+    assert proposer._batch_rate(probs, 0.0, 100, 3)[0] == 0
+    ratios = proposer._verify_ratios(4, 4)
+    assert float(ratios[1] / ratios[0]) == pytest.approx(3.0, rel=0.25)
+    assert proposer._verify_ratios(1, 3).tolist() == [1.0, 1.0, 1.0]  # one row: priced as measured offline

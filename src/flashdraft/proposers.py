@@ -364,7 +364,12 @@ class BatchedDFlashProposer(BatchProposer):
         # row count, which every verify of that many rows updates (plain steps included), so a busy spell and its
         # end reach all verify lengths at once; the draft pass is priced relative to the verify (its ratio over the
         # verify ratio of the moment). `online_costs=False` prices by `costs` alone (a cost model written by hand).
+        # A batched verify's cost does not follow rows x tokens as one row's does (16 rows of 2 tokens measured
+        # about 1.27x further above the cost model's price than 16 rows of 1, on the 2-core AMD EPYC), so each
+        # (rows, tokens per row) shape keeps its own factor over its row count's ratio: the level follows every
+        # verify, the shape only the verifies of that shape.
         self.verify_ratio: dict[int, float] = {}  # by rows
+        self.verify_shape: dict[tuple[int, int], float] = {}  # by (rows, tokens per row), over verify_ratio
         self.draft_ratio: float | None = None  # (measured / predicted draft) / verify ratio, EMA
 
     # -------------------------------------------------------------- rows
@@ -503,7 +508,9 @@ class BatchedDFlashProposer(BatchProposer):
             e = expected_tokens(p[:max_n])
             expected += torch.cat([e, e[-1:].expand(max_n + 1 - len(e))])
         tokens_per_row = torch.arange(1, max_n + 2)
-        step_s = propose_s + self.costs.verify_s(b * tokens_per_row, context) * self._verify_ratio(b)
+        step_s = propose_s + self.costs.verify_s(b * tokens_per_row, context) * self._verify_ratios(
+            b, max_n + 1
+        )
         rates = expected / step_s
         n = int(torch.argmax(rates))
         return n, float(rates[n])
@@ -522,7 +529,7 @@ class BatchedDFlashProposer(BatchProposer):
 
         context = sum(row.anchor_position for row in rows) // b
         top = max(max_drafts)
-        plain_rate = b / (float(self.costs.verify_s(b, context)) * self._verify_ratio(b))
+        plain_rate = b / (float(self.costs.verify_s(b, context)) * float(self._verify_ratios(b, 1)[0]))
         lookups = [self._lookup(row, m) for row, m in zip(rows, max_drafts, strict=True)]
         lookup_probs = [self.calibration.lookup.p(keys) for _, keys in lookups]
         lookup_n, lookup_rate = (
@@ -589,12 +596,28 @@ class BatchedDFlashProposer(BatchProposer):
             return 1.0
         return self.verify_ratio[min(self.verify_ratio, key=lambda r: abs(r - rows))]
 
+    def _verify_ratios(self, rows: int, max_tokens_per_row: int) -> torch.Tensor:
+        """[max_tokens_per_row]: measured / predicted verify time of `rows` rows of 1, 2, .. tokens each (the row
+        count's ratio times each shape's own factor, where that shape has been measured)."""
+        level = self._verify_ratio(rows)
+        if rows == 1:
+            return torch.ones(max_tokens_per_row)
+        return torch.tensor(
+            [level * self.verify_shape.get((rows, t), 1.0) for t in range(1, max_tokens_per_row + 1)]
+        )
+
     def timed(self, rows: int, tokens_per_row: int, context: int, seconds: float) -> None:
         if self.costs is None or not self.online_costs or rows == 1:
             return
         predicted = float(self.costs.verify_s(rows * tokens_per_row, context))
-        old = self.verify_ratio.get(rows)
         ratio = seconds / max(predicted, 1e-9)
+        old = self.verify_ratio.get(rows)
+        if old is not None:
+            key = (rows, tokens_per_row)
+            shape = ratio / old
+            self.verify_shape[key] = (
+                _ema(self.verify_shape[key], shape) if key in self.verify_shape else shape
+            )
         self.verify_ratio[rows] = ratio if old is None else _ema(old, ratio)
 
     def observe(self, rows: list[BatchRow], proposed: list[int], accepted: list[int]) -> None:

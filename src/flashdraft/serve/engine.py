@@ -1,11 +1,12 @@
-"""The serving engine: a bounded request queue in front of one worker thread that runs continuous batching.
+"""The serving engine: a bounded request queue in front of one worker that runs continuous batching (in a thread of
+its own, or, under `flashdraft serve`, on the main thread with the HTTP server in a thread: see `Engine.run`).
 
 Between two decode steps the worker admits waiting requests into the batch (each gets its own prefill) up to
 `max_batch_size` rows, drops rows whose client has gone (their cache rows are freed at once), then advances every row
 by one speculative step (`BatchDecoder.step`: all rows verified in one target forward, each keeping its own accepted
 prefix). A full queue is refused at once (HTTP 503) rather than piling up. Each request streams its text through an
-asyncio queue owned by the HTTP handler. `close()` stops admitting, lets the running rows finish (drain), and ends the
-thread.
+asyncio queue owned by the HTTP handler (a step's events are delivered together). `close()` stops admitting, lets the
+running rows finish (drain), and ends the worker.
 """
 
 from __future__ import annotations
