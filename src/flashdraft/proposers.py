@@ -599,9 +599,9 @@ class BatchedDFlashProposer(BatchProposer):
     def _verify_ratios(self, rows: int, max_tokens_per_row: int) -> torch.Tensor:
         """[max_tokens_per_row]: measured / predicted verify time of `rows` rows of 1, 2, .. tokens each (the row
         count's ratio times each shape's own factor, where that shape has been measured)."""
-        level = self._verify_ratio(rows)
         if rows == 1:
             return torch.ones(max_tokens_per_row)
+        level = self._verify_ratio(rows)
         return torch.tensor(
             [level * self.verify_shape.get((rows, t), 1.0) for t in range(1, max_tokens_per_row + 1)]
         )

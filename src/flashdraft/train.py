@@ -104,13 +104,17 @@ def make_blocks(
     )
 
 
+def _unwrapped(draft: torch.nn.Module) -> DFlashDraftModel:
+    """The drafter itself, through a DDP wrapper."""
+    return getattr(draft, "module", draft)
+
+
 def _config(draft: torch.nn.Module) -> DFlashConfig:
-    """The drafter's config, through a DDP wrapper."""
-    return getattr(draft, "module", draft).config
+    return _unwrapped(draft).config
 
 
 def _block_inputs(draft: torch.nn.Module, target: Target, ids: torch.Tensor) -> torch.Tensor:
-    inner = getattr(draft, "module", draft)
+    inner = _unwrapped(draft)
     return block_inputs(inner.config, target.embed_tokens.weight, ids, inner.mask_embedding)
 
 

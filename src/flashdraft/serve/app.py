@@ -307,7 +307,7 @@ def run_server(engine: Engine, app: FastAPI, host: str, port: int) -> bool:
         try:
             server.run()  # outside the main thread uvicorn leaves the signals to us
         finally:
-            engine.close(timeout=0)  # stop admitting; the worker answers what is left, then returns
+            engine.close()  # stop admitting; the worker (on the main thread) answers what is left, then returns
 
     handlers = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
     thread = threading.Thread(target=http, name="flashdraft-http", daemon=True)

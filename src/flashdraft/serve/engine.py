@@ -200,6 +200,10 @@ class Engine:
         parallel regions: a decode step run beside the main thread's idle team took 30-35 % longer (2-core AMD
         EPYC, SmolLM2-135M: a plain step at 8 rows 82-87 ms against 58-65 ms).
         """
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            raise RuntimeError(
+                "this engine's worker already runs in a thread of its own (Engine(start=True))"
+            )
         torch.set_grad_enabled(False)
         stopping = False
         while True:
@@ -222,7 +226,6 @@ class Engine:
                     self.decoder.cancel(row)
             if not len(self.decoder):
                 if stopping:  # drained: every request queued before close() has been answered
-                    self._deliver()
                     return
                 continue
             self.steps_by_rows[len(self.decoder)] += 1
