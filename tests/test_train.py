@@ -610,6 +610,14 @@ def test_torchrun_cli_two_processes_match_one_process(tmp_path):
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
+    # the target sharded over the two processes (FSDP2): the same drafter again, and τ evaluation skipped
+    sharded = subprocess.run([*run, *common, "--out", str(tmp_path / "sharded"), "--batch-size", "1",
+                              "--shard-target", "--eval-datasets", "gsm8k"], env=env, capture_output=True, text=True)  # fmt: skip
+    assert sharded.returncode == 0, sharded.stderr[-2000:]
+    assert "sharded over 2 (FSDP2)" in sharded.stdout and "τ evaluation skipped" in sharded.stdout
+    c = load_file(tmp_path / "sharded" / "model.safetensors")
+    for name in a:
+        torch.testing.assert_close(c[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
     init = DFlashDraftModel.for_target(tiny_model("llama", seed=3, layers=4).config, num_layers=1, block_size=4,
                                        mask_token_id=0, seed=0).state_dict()  # fmt: skip
     assert any(not torch.allclose(init[n].float(), a[n]) for n in a if n in init)  # it did train

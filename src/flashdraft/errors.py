@@ -17,12 +17,14 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from .datasets import DatasetError
     from .engine import GenerationError
     from .extras import MissingExtraError
+    from .memory_plan import PlanError
     from .model import DFlashCheckpointError
     from .packs import PackError
     from .prompts import PromptFormatError
     from .remote import RemoteError
     from .sampling import SamplingError
     from .target import TargetError
+    from .train import TrainError
 
     return (
         BenchError,
@@ -37,6 +39,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
         SamplingError,
         TargetError,
         MissingExtraError,
+        PlanError,
+        TrainError,
         FileNotFoundError,
     )
 

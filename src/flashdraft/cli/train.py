@@ -175,16 +175,103 @@ def train(
             "per-sequence loop waits on kernel launches), or one forward per sequence (faster on CPUs)",
         ),
     ] = False,
+    shard_target: Annotated[
+        bool,
+        typer.Option(
+            "--shard-target/--whole-target",
+            help="split the frozen target over the torchrun ranks (FSDP2): for targets too large for one GPU",
+        ),
+    ] = False,
+    plan: Annotated[
+        bool,
+        typer.Option(
+            "--plan", help="print the per-rank memory plan from the configs and exit (loads nothing)"
+        ),
+    ] = False,
+    world_size: Annotated[
+        int | None, typer.Option(help="--plan only: plan for this many ranks (default: torchrun's, else 1)")
+    ] = None,
+    gpu_memory: Annotated[
+        float | None,
+        typer.Option(
+            help="GiB per GPU to plan against (default: this GPU's; with --plan on a machine without one: 80)"
+        ),
+    ] = None,
 ) -> None:
     """Train a DFlash drafter (paper recipe); `torchrun --nproc-per-node N -m flashdraft train ...` for DDP."""
     train_command(**locals())
 
 
-def _init_distributed() -> tuple[int, int, str | None]:
-    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; gloo on CPU, nccl on GPUs."""
+def _memory_plan(
+    target: str,
+    arch: str,
+    num_layers: int,
+    block_size: int | None,
+    init_from: Path | None,
+    target_layer_ids: str | None,
+    intermediate_size: int | None,
+    *,
+    device: str | None,
+    gpu_memory: float | None,
+    plan_only: bool,
+    target_dtype: str | None,
+    bf16: bool | None,
+    **settings,
+):
+    """The memory plan of this run from the configs alone; refuses (one line) a run that will not fit."""
+    from transformers import AutoConfig
+
+    from ..config import DFlashConfig
+    from ..memory_plan import PlanError, device_capacity, fewest_ranks, plan_training, target_shape
+    from ..model import load_drafter_config
+    from ..packs import resolve_model
+    from ..target import TargetError, default_device, parse_dtype
+
+    path = resolve_model(target)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TargetError(f"cannot read the config of target {target!r}: {first}") from None
+    if init_from is not None:
+        draft_config = load_drafter_config(init_from)
+    else:
+        draft_config = DFlashConfig.for_target(
+            config, num_layers=num_layers, block_size=default_block_size(arch, block_size), mask_token_id=0,
+            target_layer_ids=_parse_ids(target_layer_ids), intermediate_size=intermediate_size, arch=arch,
+        )  # fmt: skip
+    kind = torch.device(device or default_device()).type
+    if plan_only and gpu_memory is None and not torch.cuda.is_available():
+        kind, gpu_memory = "cuda", 80.0  # planning a GPU run on a machine without one
+    dtype = parse_dtype(target_dtype) or (torch.bfloat16 if kind == "cuda" else torch.float32)
+    shape = target_shape(config, name=target)
+    kwargs = dict(
+        settings, block_size=default_block_size(arch, block_size if init_from is None else draft_config.block_size),
+        target_dtype=dtype, bf16=kind == "cuda" if bf16 is None else bf16, device=kind,
+        capacity=device_capacity(kind, gpu_memory),
+    )  # fmt: skip
+    planned = plan_training(shape, draft_config, **kwargs)
+    refusal = planned.refusal()
+    if refusal is not None and not plan_only:
+        raise PlanError(refusal + fewest_ranks(shape, draft_config, kwargs))
+    return planned
+
+
+def _init_distributed(single_group: bool = False) -> tuple[int, int, str | None]:
+    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; gloo on CPU, nccl on GPUs. `single_group`: a process group even for
+    one process (a sharded target needs one: FSDP2 at world size 1)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
+    if world <= 1 and not single_group:
         return 0, 1, None
+    if world <= 1 and "MASTER_ADDR" not in os.environ:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+        )
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
@@ -230,6 +317,10 @@ def train_command(
     target_dtype: str | None = None,
     bf16: bool | None = None,
     padded_batches: bool = False,
+    shard_target: bool = False,
+    plan: bool = False,
+    world_size: int | None = None,
+    gpu_memory: float | None = None,
 ) -> None:
     """Train a DFlash drafter on regenerated data (`flashdraft data regenerate`), then evaluate τ and export."""
     from torch.utils.data import ConcatDataset
@@ -238,11 +329,31 @@ def train_command(
     from ..target import choose_mask_token_id, load_target
     from ..training_data import TrainingData
 
-    rank, world, dist_device = _init_distributed()
     if target_dtype is not None and target_dtype not in _DTYPES:
         raise ValueError(f"--target-dtype must be one of {', '.join(_DTYPES)}, not {target_dtype!r}")
-    tgt = load_target(target, dtype=target_dtype, device=dist_device or device)
-    parts = [TrainingData(d) for d in data]
+    parts = [TrainingData(d) for d in data] if not plan or all(Path(d).exists() for d in data) else []
+    longest = max((max(p.lengths, default=0) for p in parts), default=max_length)
+    planned = _memory_plan(
+        target, arch, num_layers, block_size, init_from, target_layer_ids, intermediate_size,
+        world=world_size or int(os.environ.get("WORLD_SIZE", "1")), shard_target=shard_target,
+        batch_size=batch_size, seq_len=min(max_length, longest or max_length), num_anchors=num_anchors,
+        lm_head_chunk=lm_head_chunk, target_dtype=target_dtype, bf16=bf16, padded_batches=padded_batches,
+        kl=kl_weight > 0, device=device, gpu_memory=gpu_memory,
+        plan_only=plan,
+    )  # fmt: skip
+    if plan:
+        for line in planned.lines():
+            print(line)
+        return
+    rank, world, dist_device = _init_distributed(single_group=shard_target)
+    if rank == 0:
+        print("\n".join(planned.lines()))
+    if shard_target:
+        from ..sharding import load_sharded_target
+
+        tgt = load_sharded_target(target, dtype=target_dtype, device=dist_device or device)
+    else:
+        tgt = load_target(target, dtype=target_dtype, device=dist_device or device)
     dataset = ConcatDataset(parts) if len(parts) > 1 else parts[0]
     manifests = [p.manifest for p in parts]
     for d, m in zip(data, manifests, strict=True):
@@ -297,7 +408,7 @@ def train_command(
         )
     trainer.fit(resume=resume)
     trainer.unwrap()
-    if world > 1:
+    if dist.is_initialized():
         dist.barrier()
     if rank != 0:
         dist.destroy_process_group()
@@ -335,6 +446,10 @@ def train_command(
         out, dtype=tgt.dtype, device=tgt.device
     )  # evaluate what ships
     names = [n for n in eval_datasets.split(",") if n]
+    if names and eval_samples > 0 and trainer.target_sharded:
+        names = []  # decoding with a sharded target would need every rank in lockstep
+        print("τ evaluation skipped: the target is sharded; evaluate the exported drafter with `flashdraft eval` "
+              "where the target fits, or with vLLM / SGLang")  # fmt: skip
     if names and eval_samples > 0:
         thinking = (chat or {}).get("thinking") if isinstance(chat, dict) else None
         system = (chat or {}).get("system") if isinstance(chat, dict) else None
@@ -347,5 +462,5 @@ def train_command(
             print(f"τ {name}: {r['tau']:.2f} over {r['prompts']} prompts")
     write_model_card(out, exported, {**meta, "global_batch": trainer.global_batch})
     print(f"drafter written to {out}")
-    if world > 1:
+    if dist.is_initialized():
         dist.destroy_process_group()

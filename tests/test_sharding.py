@@ -1,0 +1,69 @@
+"""A target sharded with FSDP2 over two gloo processes (torchrun) computes what the whole target computes in one:
+the tapped features, the losses, the gradient norms and the drafter after its optimiser steps."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import hybrid_model, tiny_model
+from flashdraft.target import Target
+from flashdraft.train import TrainConfig, Trainer
+
+
+def _dataset(model, n: int = 4, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Sequences of different lengths: a random prompt, then a supervised answer."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.config.get_text_config().vocab_size
+    out = []
+    for i in range(n):
+        prompt, answer = 3 + i % 3, 10 + 3 * i
+        ids = torch.randint(4, vocab, (prompt + answer,), generator=g)
+        mask = torch.zeros(prompt + answer, dtype=torch.bool)
+        mask[prompt:] = True
+        out.append({"input_ids": ids, "loss_mask": mask})
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_two_process_sharded_target_matches_one_process(tmp_path, family):
+    from test_data import make_tokenizer
+
+    model = tiny_model("llama", seed=4, layers=4) if family == "llama" else hybrid_model("qwen3_5", seed=4)
+    model_dir = tmp_path / "target"
+    model.save_pretrained(model_dir)
+    make_tokenizer().save_pretrained(model_dir)
+    data = _dataset(model)
+    torch.save(data, tmp_path / "data.pt")
+    worker = Path(__file__).with_name("sharded_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(worker.parent)}
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(worker),
+           str(model_dir), str(tmp_path / "data.pt"), str(tmp_path / "sharded.pt")]  # fmt: skip
+    done = subprocess.run(run, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    sharded = torch.load(tmp_path / "sharded.pt", weights_only=False)
+    if sharded["local_rows"] is not None:  # each rank held half of a layer, not all of it
+        assert sharded["local_rows"] == model.config.intermediate_size // 2
+
+    target = Target(model)  # the whole target, one process, the same global batch of 2 sequences
+    taps = [0, target.num_layers - 2, target.num_layers - 1]
+    with torch.no_grad():
+        for item, feats in zip(data, sharded["features"], strict=True):
+            torch.testing.assert_close(feats, target.features(item["input_ids"][None], taps)[0])
+    cfg = TrainConfig(out_dir=str(tmp_path / "one"), num_layers=1, block_size=4, num_anchors=6, max_steps=2,
+                      batch_size=2, grad_accum=1, mask_token_id=3, target_layer_ids=taps[:2], progress=False,
+                      save_every=100, lr=1e-2, warmup_ratio=0.0)  # fmt: skip
+    trainer = Trainer(target, data, cfg)
+    history = trainer.fit()
+    for one, two in zip(history, sharded["history"], strict=True):
+        assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+        assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
+        assert two["blocks"] == one["blocks"]
+    assert history[1]["loss"] != history[0]["loss"]  # the first step changed the drafter
+    for name, p in trainer.draft.state_dict().items():
+        torch.testing.assert_close(sharded["draft"][name], p, rtol=1e-4, atol=1e-5, msg=name)
