@@ -61,18 +61,24 @@ def train_config(out: str, b: int, s: int, anchors: int, padded: bool) -> TrainC
                        mask_token_id=3, progress=False, save_every=1000, padded_batches=padded, max_length=s)  # fmt: skip
 
 
-def measure(target: Target, b: int, s: int, anchors: int, padded: bool, world: int = 1) -> dict:
+def measure(
+    target: Target, b: int, s: int, anchors: int, padded: bool, world: int = 1, shard_drafter: bool = False
+) -> dict:
     with tempfile.TemporaryDirectory() as out:
-        trainer = Trainer(target, make_data(4 * world, s), train_config(out, b, s, anchors, padded))
+        cfg = train_config(out, b, s, anchors, padded)
+        cfg.shard_drafter = shard_drafter
+        trainer = Trainer(target, make_data(4 * world, s), cfg)
         trainer.train_step()  # the optimizer's states exist from here on, as in any later step
         peak = measured_peak(trainer.train_step, target.model, trainer.draft, trainer.optimizer)
         plan = plan_training(
             target_shape(target.model.config), trainer.draft.config, world=world, shard_target=world > 1,
+            shard_drafter=shard_drafter,
             batch_size=b, seq_len=s, num_anchors=anchors, block_size=8, target_dtype=torch.float32, bf16=False,
             device="cpu", padded_batches=padded,
         )  # fmt: skip
         trainer.unwrap()
     return {"batch": b, "seq_len": s, "anchors": anchors, "padded": padded, "world": world,
+            "drafter": "FSDP2" if shard_drafter else ("DDP" if world > 1 else "whole"),
             "measured_mib": round(peak / MIB, 1), "plan_mib": round(plan.total / MIB, 1),
             "plan_over_measured": round(plan.total / peak, 3)}  # fmt: skip
 
@@ -93,6 +99,7 @@ def sharded_rank(family: str, out_file: str) -> None:
         dist.broadcast_object_list(obj, src=0)
         target = load_sharded_target(obj[0], "float32", "cpu")
         rows = [measure(target, b, s, a, p, world=2) for b, s, a, p in CASES[:2]]
+        rows += [measure(target, b, s, a, p, world=2, shard_drafter=True) for b, s, a, p in CASES[:2]]
     if dist.get_rank() == 0:
         Path(out_file).write_text(json.dumps(rows))
     end_distributed()
@@ -128,13 +135,13 @@ def main() -> None:
         f"`python benchmarks/memory_plan_check.py` on {cpu}, torch {torch.__version__}, transformers {tf.__version__}.",
         "Targets: 25M-parameter random Llama and Qwen3.5 (GatedDeltaNet hybrid), fp32; drafter 2 layers, B = 8.",
         "Measured: peak bytes of live tensors over one training step after the first (a dispatch mode counting every",
-        "storage; rank 0 for the two-process rows, target sharded with FSDP2, drafter DDP).",
+        "storage; rank 0 for the two-process rows, target sharded with FSDP2, drafter DDP or FSDP2).",
         "",
-        "| target | ranks | micro-batch | tokens | anchors | padded | measured MiB | plan MiB | plan / measured |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| target | ranks | drafter | micro-batch | tokens | anchors | padded | measured MiB | plan MiB | plan / measured |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        lines.append(f"| {r['family']} | {r['world']} | {r['batch']} | {r['seq_len']} | {r['anchors']} | "
+        lines.append(f"| {r['family']} | {r['world']} | {r['drafter']} | {r['batch']} | {r['seq_len']} | {r['anchors']} | "
                      f"{'yes' if r['padded'] else 'no'} | {r['measured_mib']} | {r['plan_mib']} | "
                      f"{r['plan_over_measured']:.2f} |")  # fmt: skip
     lines += [

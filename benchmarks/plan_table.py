@@ -5,7 +5,7 @@
 For each target: the drafter z-lab ships for it (layers, taps, MLP width, block size), the paper's recipe per rank
 (micro-batch of 1 sequence of 3,072 tokens, 512 anchors), bf16 target, bf16 autocast drafter, 80 GB GPUs. The mode
 is the first that fits: the whole target on one GPU, else the target sharded (FSDP2) over the fewest GPUs of a node
-(2, 4, 8) or of two nodes (16).
+(2, 4, 8) or of two nodes (16), the drafter replicated (DDP) unless only sharding it too (FSDP2) fits.
 """
 
 from __future__ import annotations
@@ -39,8 +39,11 @@ def choose(name: str):
                                     target_layer_ids=taps, intermediate_size=width)  # fmt: skip
     common = dict(batch_size=1, seq_len=SEQ_LEN, num_anchors=ANCHORS, block_size=block, target_dtype=torch.bfloat16,
                   bf16=True, device="cuda", capacity=int(GPU_GIB * GIB))  # fmt: skip
-    for world, shard in [(1, False), (2, True), (4, True), (8, True), (16, True)]:
-        plan = plan_training(shape, draft, world=world, shard_target=shard, **common)
+    modes = [(1, False, False)] + [(n, True, d) for n in (2, 4, 8, 16) for d in (False, True)]
+    for world, shard_target, shard_drafter in modes:
+        plan = plan_training(
+            shape, draft, world=world, shard_target=shard_target, shard_drafter=shard_drafter, **common
+        )
         if plan.fits:
             return shape, draft, plan, (layers, taps, width, block)
     return shape, draft, plan, (layers, taps, width, block)
@@ -56,6 +59,7 @@ def command(name: str, plan, layers, taps, width, block) -> str:
     args += f"--target-layer-ids {','.join(map(str, taps))}"
     args += f" --intermediate-size {width}" if width else ""
     args += " --padded-batches" + (" --shard-target" if plan.shard_target else "")
+    args += " --shard-drafter" if plan.shard_drafter else ""
     return f"`{launch} {args}`"
 
 
@@ -77,7 +81,8 @@ def main() -> None:
         rows = {r.what: r.bytes for r in plan.rows}
         acts = plan.total - rows["target weights"] - rows["drafter training state"]
         p_d = plan.settings["drafter_params"]
-        mode = "FSDP2 target + DDP drafter" if plan.shard_target else "whole target + DDP drafter"
+        mode = ("FSDP2" if plan.shard_target else "whole") + " target + "
+        mode += "FSDP2 drafter" if plan.shard_drafter else "DDP drafter"
         fits = "" if plan.fits else " (does not fit)"
         lines.append(
             f"| {name} | {shape.params / 1e9:.1f}B | {layers} layers, {p_d / 1e9:.2f}B | {plan.world}{fits} | {mode} | "

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from conftest import hybrid_model, tiny_model
 from flashdraft.cli import app
 from flashdraft.config import DFlashConfig
-from flashdraft.memory_plan import drafter_params, measured_peak, plan_training, target_shape
+from flashdraft.memory_plan import drafter_params, drafter_shape, measured_peak, plan_training, target_shape
 from flashdraft.model import DFlashDraftModel
 from flashdraft.target import Target
 from flashdraft.train import TrainConfig, Trainer
@@ -44,6 +44,23 @@ def test_sharding_divides_the_layers_and_keeps_two_whole_ones():
     assert (
         whole.rows[1:] == sharded.rows[1:]
     )  # the drafter and the activations do not depend on the target's split
+
+
+def test_sharding_the_drafter_divides_its_training_state():
+    model = tiny_model("llama", layers=4)
+    shape = target_shape(model.config)
+    draft = DFlashConfig.for_target(model.config, num_layers=2, block_size=4, mask_token_id=3)
+    p_d, p_layer = drafter_shape(draft)
+    replicated = plan_training(shape, draft, world=4, shard_target=True, bf16=True, device="cuda")
+    sharded = plan_training(
+        shape, draft, world=4, shard_target=True, shard_drafter=True, bf16=True, device="cuda"
+    )
+    state = {p.what: p.bytes for p in replicated.rows}["drafter training state"]
+    assert state == 18 * p_d
+    assert {p.what: p.bytes for p in sharded.rows}["drafter training state"] == int(
+        16 * p_d / 4 + 2 * p_d + 8 * p_layer
+    )
+    assert "drafter sharded (FSDP2)" in sharded.lines()[0]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])

@@ -30,8 +30,17 @@ def _dataset(model, n: int = 4, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
-def test_two_process_sharded_target_matches_one_process(tmp_path, family):
+@pytest.mark.parametrize(
+    "family,drafter,arch",
+    [
+        ("llama", "ddp", "dflash"),
+        ("qwen3_5", "ddp", "dflash"),
+        ("llama", "fsdp", "dflash"),
+        ("qwen3_5", "fsdp", "dflash2"),
+    ],
+)
+def test_two_process_sharded_target_matches_one_process(tmp_path, family, drafter, arch):
+    """Target sharded, drafter replicated (DDP) or sharded (FSDP2; a DFlash2 drafter keeps its selector whole)."""
     from test_data import make_tokenizer
 
     model = tiny_model("llama", seed=4, layers=4) if family == "llama" else hybrid_model("qwen3_5", seed=4)
@@ -43,7 +52,7 @@ def test_two_process_sharded_target_matches_one_process(tmp_path, family):
     worker = Path(__file__).with_name("sharded_worker.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(worker.parent)}
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(worker),
-           str(model_dir), str(tmp_path / "data.pt"), str(tmp_path / "sharded.pt")]  # fmt: skip
+           str(model_dir), str(tmp_path / "data.pt"), str(tmp_path / "sharded.pt"), drafter, arch]  # fmt: skip
     done = subprocess.run(run, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     sharded = torch.load(tmp_path / "sharded.pt", weights_only=False)
@@ -57,7 +66,7 @@ def test_two_process_sharded_target_matches_one_process(tmp_path, family):
             torch.testing.assert_close(feats, target.features(item["input_ids"][None], taps)[0])
     cfg = TrainConfig(out_dir=str(tmp_path / "one"), num_layers=1, block_size=4, num_anchors=6, max_steps=2,
                       batch_size=2, grad_accum=1, mask_token_id=3, target_layer_ids=taps[:2], progress=False,
-                      save_every=100, lr=1e-2, warmup_ratio=0.0)  # fmt: skip
+                      save_every=100, lr=1e-2, warmup_ratio=0.0, arch=arch)  # fmt: skip
     trainer = Trainer(target, data, cfg)
     history = trainer.fit()
     for one, two in zip(history, sharded["history"], strict=True):
@@ -67,3 +76,12 @@ def test_two_process_sharded_target_matches_one_process(tmp_path, family):
     assert history[1]["loss"] != history[0]["loss"]  # the first step changed the drafter
     for name, p in trainer.draft.state_dict().items():
         torch.testing.assert_close(sharded["draft"][name], p, rtol=1e-4, atol=1e-5, msg=name)
+    # the sharded run's checkpoint reads like a one-process run's: same drafter, same AdamW moments, same step
+    resumed = Trainer(target, data, cfg)
+    assert resumed.load_checkpoint(tmp_path / "sharded.pt.run" / "checkpoints" / "last.pt")
+    assert resumed.step == trainer.step == 2
+    ours, theirs = trainer.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
+    assert ours.keys() == theirs.keys()
+    for i in ours:
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(theirs[i][key], ours[i][key], rtol=1e-4, atol=1e-6)

@@ -11,17 +11,16 @@ import torch
 
 from conftest import VOCAB, tiny_model
 from flashdraft import DFlashDraftModel, DFlashProposer, Target, generate, generate_ar
-from flashdraft.model import draft_logits
-from flashdraft.train import (
+from flashdraft.blocks import (
     default_gamma,
     draft_hidden_for_blocks,
     init_layers_from_target,
     make_blocks,
     sample_anchors,
     slot_weights,
-    target_distribution,
-    weighted_block_loss,
 )
+from flashdraft.loss import target_distribution, weighted_block_loss
+from flashdraft.model import draft_logits
 
 
 def test_anchor_sampling_hand_worked():
@@ -618,6 +617,14 @@ def test_torchrun_cli_two_processes_match_one_process(tmp_path):
     c = load_file(tmp_path / "sharded" / "model.safetensors")
     for name in a:
         torch.testing.assert_close(c[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
+    # and the drafter sharded as well: gathered on rank 0 for its export
+    both = subprocess.run([*run, *common, "--out", str(tmp_path / "both"), "--batch-size", "1", "--shard-target",
+                           "--shard-drafter"], env=env, capture_output=True, text=True)  # fmt: skip
+    assert both.returncode == 0, both.stderr[-2000:]
+    assert "drafter sharded (FSDP2)" in both.stdout
+    d = load_file(tmp_path / "both" / "model.safetensors")
+    for name in a:
+        torch.testing.assert_close(d[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
     init = DFlashDraftModel.for_target(tiny_model("llama", seed=3, layers=4).config, num_layers=1, block_size=4,
                                        mask_token_id=0, seed=0).state_dict()  # fmt: skip
     assert any(not torch.allclose(init[n].float(), a[n]) for n in a if n in init)  # it did train

@@ -95,10 +95,17 @@ def target_shape(config: Any, name: str = "target") -> TargetShape:
 
 
 def drafter_params(draft_config: Any) -> int:
+    return drafter_shape(draft_config)[0]
+
+
+def drafter_shape(draft_config: Any) -> tuple[int, int]:
+    """(trainable parameters, those of its largest layer) of a drafter, built on the meta device."""
     from .model import DFlashDraftModel
 
     with torch.device("meta"):
-        return sum(p.numel() for p in DFlashDraftModel(draft_config).parameters() if p.requires_grad)
+        draft = DFlashDraftModel(draft_config)
+    total = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    return total, max(sum(p.numel() for p in layer.parameters()) for layer in draft.layers)
 
 
 @dataclass
@@ -117,6 +124,7 @@ class MemoryPlan:
     device: str
     world: int
     shard_target: bool
+    shard_drafter: bool
     capacity: int | None  # bytes one rank may use (None: unknown)
     rows: list[PlanRow] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)
@@ -143,6 +151,8 @@ class MemoryPlan:
     @property
     def mode(self) -> str:
         t = f"target sharded over {self.world} (FSDP2)" if self.shard_target else "target whole on each rank"
+        if self.shard_drafter:
+            return f"{t}, drafter sharded (FSDP2)"
         return f"{t}, drafter replicated" + (" (DDP)" if self.world > 1 else "")
 
     def lines(self) -> list[str]:
@@ -165,6 +175,8 @@ class MemoryPlan:
         big = max(self.rows, key=lambda r: r.bytes)
         if not self.shard_target and self.rows[0].bytes > 0.4 * self.usable:
             fix = "shard the target over more GPUs: torchrun --nproc-per-node N ... --shard-target"
+        elif big.what == "drafter training state" and not self.shard_drafter:
+            fix = "shard the drafter's training state too: torchrun --nproc-per-node N ... --shard-drafter"
         elif big.what.startswith("target"):
             fix = "add ranks (torchrun --nproc-per-node N --shard-target), or a 16-bit --target-dtype"
         else:
@@ -183,6 +195,7 @@ def plan_training(
     *,
     world: int = 1,
     shard_target: bool = False,
+    shard_drafter: bool = False,
     batch_size: int = 1,
     seq_len: int = 3072,
     num_anchors: int = 512,
@@ -211,20 +224,26 @@ def plan_training(
         shard, how = target.params, f"{target.params / 1e9:.2f}B params x {d_t} B, whole"
     rows.append(PlanRow("target weights", int(shard * d_t), how))
 
-    p_d = drafter_params(draft_config)
-    per_param = 4 + 4 + 8 + (2 if bf16 else 0)
-    parts = "fp32 weights + grads (DDP's buckets) + AdamW states" + (
-        " + bf16 autocast copies" if bf16 else ""
-    )
-    rows.append(
-        PlanRow(
-            "drafter training state", p_d * per_param, f"{p_d / 1e6:.0f}M params x {per_param} B: {parts}"
-        )
-    )
+    p_d, p_layer = drafter_shape(draft_config)
+    autocast = f" + {p_d / 1e6:.0f}M x 2 B bf16 autocast copies" if bf16 else ""
+    if shard_drafter:
+        state = p_d * 16 / world + (2 * p_d if bf16 else 0) + 2 * p_layer * 4
+        how = f"{p_d / 1e6:.0f}M params x 16 B / {world} (fp32 weights, grads, AdamW){autocast}, 2 layers gathered"
+    else:
+        state = p_d * (16 + (2 if bf16 else 0))
+        how = f"{p_d / 1e6:.0f}M params x 16 B (fp32 weights, grads as DDP's buckets, AdamW){autocast}"
+    rows.append(PlanRow("drafter training state", int(state), how))
+    share = world if shard_drafter else 1
     if device != "cuda":  # the trainer's AdamW is fused on CUDA; foreach elsewhere, with temporaries
-        rows.append(PlanRow("optimizer step", p_d * 8, "foreach AdamW temporaries, after backward", "step"))
+        rows.append(
+            PlanRow("optimizer step", p_d * 8 // share, "foreach AdamW temporaries, after backward", "step")
+        )
         if world > 1:  # gloo reduces a copy of each gradient bucket (NCCL reduces the bucket in place)
-            rows.append(PlanRow("gradient all-reduce", p_d * 4, "gloo's copy of DDP's buckets", "pass"))
+            rows.append(
+                PlanRow(
+                    "gradient all-reduce", p_d * 4 // share, "gloo's copy of the gradient buckets", "pass"
+                )
+            )
 
     rows.append(
         PlanRow(
@@ -279,6 +298,7 @@ def plan_training(
         device=device,
         world=world,
         shard_target=shard_target,
+        shard_drafter=shard_drafter,
         capacity=capacity,
         rows=rows,
         settings=dict(batch_size=b, seq_len=s, num_anchors=num_anchors, block_size=block_size, bf16=bf16,
@@ -290,11 +310,14 @@ def fewest_ranks(target: TargetShape, draft_config: Any, settings: dict[str, Any
     """' (fits with N ranks and --shard-target: <per-rank GiB>)' for the smallest N that fits, or why none does."""
     if settings.get("capacity") is None:
         return ""
-    base = {k: v for k, v in settings.items() if k not in ("world", "shard_target")}
+    base = {k: v for k, v in settings.items() if k not in ("world", "shard_target", "shard_drafter")}
     for world in range(1, limit + 1):
-        plan = plan_training(target, draft_config, world=world, shard_target=True, **base)
-        if plan.fits:
-            return f" (it fits sharded over {world} ranks: {plan.total / GIB:.1f} GiB each)"
+        for shard_drafter in (False, True):
+            plan = plan_training(target, draft_config, world=world, shard_target=True, shard_drafter=shard_drafter,
+                                 **base)  # fmt: skip
+            if plan.fits:
+                flags = "--shard-target" + (" --shard-drafter" if shard_drafter else "")
+                return f" (it fits over {world} ranks with {flags}: {plan.total / GIB:.1f} GiB each)"
     return f" (sharding alone over up to {limit} ranks does not make it fit: shrink the micro-batch)"
 
 

@@ -169,7 +169,13 @@ class DFlashAttention(nn.Module):
     def project_kv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of `x` (context or block) with k_norm and RoPE: the same projections for both (KV injection)."""
+        """K/V of `x` (context or block) with k_norm and RoPE: the same projections for both (KV injection). Called
+        from outside `forward` for the context (a sharded drafter gathers the weights around this call)."""
+        return self._project_kv(x, cos, sin)
+
+    def _project_kv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         k = self._rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), cos, sin)
         v = self._heads(self.v_proj(x), self.num_kv_heads)
         return k, v
@@ -185,7 +191,7 @@ class DFlashAttention(nn.Module):
     ) -> torch.Tensor:
         b, q_len, _ = x.shape
         q = self._rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
-        block_k, block_v = self.project_kv(x, cos, sin)
+        block_k, block_v = self._project_kv(x, cos, sin)
         k = torch.cat([context_k, block_k], dim=2)
         v = torch.cat([context_v, block_v], dim=2)
         if mask is not None and not isinstance(

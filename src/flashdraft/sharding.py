@@ -65,6 +65,27 @@ def shard_decoder(model: nn.Module, mesh: Any) -> nn.Module:
     return model
 
 
+def shard_drafter(draft: nn.Module, device: torch.device) -> list[nn.Parameter]:
+    """FSDP2 over a drafter being trained: each layer's attention and the rest of the layer one unit each, fc and
+    the norms in the root. The candidate
+    selector of a DFlash2 drafter is called piecewise by its loss, outside any FSDP forward, so it stays whole;
+    returns its parameters, whose gradients the trainer averages itself."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in draft.layers:
+        # The drafter projects the context's K/V with each layer's attention before running the layer: the
+        # attention is its own unit, and `project_kv` gathers its weights as its forward does.
+        fully_shard(layer.self_attn, mesh=mesh)
+        register_fsdp_forward_method(layer.self_attn, "project_kv")
+        fully_shard(layer, mesh=mesh)
+    selector = getattr(draft, "candidate_selector", None)
+    whole = list(selector.parameters()) if selector is not None else []
+    fully_shard(draft, mesh=mesh, ignored_params=set(whole) or None)
+    return whole
+
+
 def _text_config(model: nn.Module) -> Any:
     cfg = model.config
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -104,7 +125,9 @@ def load_sharded_target(
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         failure = [f"cannot load target {name_or_path!r}: {first}"]
-    dist.broadcast_object_list(failure, src=0)  # every rank stops if rank 0 could not load (none waits forever)
+    dist.broadcast_object_list(
+        failure, src=0
+    )  # every rank stops if rank 0 could not load (none waits forever)
     if failure[0] is not None:
         raise TargetError(failure[0])
     with torch.device("meta"):

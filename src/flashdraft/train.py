@@ -30,160 +30,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .config import DFlashConfig
+from .blocks import (
+    Blocks,
+    TrainError,
+    default_gamma,
+    draft_hidden_for_blocks,
+    draft_hidden_for_padded_blocks,
+    has_anchor,
+    init_layers_from_target,
+    make_blocks,
+    pad_blocks,
+    sample_anchors,
+    slot_weights,
+)
 from .export import evaluate_tau
 from .files import atomic_write, atomic_write_text
 from .loss import selector_loss, target_distribution, weighted_block_loss
-from .model import DFlashDraftModel, block_inputs
+from .model import DFlashDraftModel
 from .progress import progress_bar
-from .sharding import full_tensor, is_sharded
+from .sharding import full_tensor, is_sharded, shard_drafter
 from .target import Target
-
-# ---------------------------------------------------------------------------------------------- recipe pieces
-
-
-class TrainError(ValueError):
-    """A training run asked for something it cannot do (shown as one line by the CLI)."""
-
-
-def default_gamma(block_size: int) -> float:
-    """Loss-decay gamma from the paper: 7 for B=16, 5 for B=10, 4 for B=8 (linear in between, B/2 - 1 beyond)."""
-    table = {16: 7.0, 10: 5.0, 8: 4.0}
-    if block_size in table:
-        return table[block_size]
-    return max(1.0, block_size / 2 - 1 if block_size > 10 else block_size / 2)
-
-
-def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
-    """[B] loss weights per block slot: 0 for the anchor slot, exp(-(k-1)/gamma) for slot k >= 1."""
-    k = torch.arange(block_size, dtype=torch.float32)
-    w = torch.exp(-(k - 1) / gamma)
-    w[0] = 0.0
-    return w
-
-
-def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
-    """Up to `num_anchors` sorted positions t with loss_mask[t] and loss_mask[t+1] (uniform, no replacement)."""
-    valid = loss_mask[:-1] & loss_mask[1:]
-    candidates = valid.nonzero().flatten()
-    if candidates.numel() > num_anchors:
-        pick = torch.randperm(candidates.numel(), generator=generator)[:num_anchors]
-        candidates = candidates[pick]
-    return candidates.sort().values
-
-
-@dataclass
-class Blocks:
-    """N blocks of one sequence, flattened to N*B query slots."""
-
-    input_ids: torch.Tensor  # [N*B] anchor token, then mask ids
-    positions: torch.Tensor  # [N*B] anchor + slot
-    labels: torch.Tensor  # [N*B] token at anchor + slot (0 where out of range)
-    weights: torch.Tensor  # [N*B] loss weight (0 for slot 0, unsupervised or out-of-range labels)
-
-
-def make_blocks(
-    input_ids: torch.Tensor,
-    loss_mask: torch.Tensor,
-    anchors: torch.Tensor,
-    block_size: int,
-    mask_token_id: int,
-    weights: torch.Tensor,
-) -> Blocks:
-    """Same-position labels: slot k of the block anchored at t predicts token[t + k]."""
-    seq_len = input_ids.shape[0]
-    slots = torch.arange(block_size)
-    positions = anchors[:, None] + slots[None, :]  # [N, B]
-    in_range = positions < seq_len
-    safe = positions.clamp(max=seq_len - 1)
-    labels = torch.where(in_range, input_ids[safe], torch.zeros_like(safe))
-    supervised = in_range & loss_mask[safe]
-    block_ids = torch.full_like(positions, mask_token_id)
-    block_ids[:, 0] = input_ids[anchors]
-    slot_w = weights[None, :].expand_as(positions)
-    return Blocks(
-        input_ids=block_ids.flatten(),
-        positions=positions.flatten(),
-        labels=labels.flatten(),
-        weights=(slot_w * supervised).flatten(),
-    )
-
-
-def _unwrapped(draft: torch.nn.Module) -> DFlashDraftModel:
-    """The drafter itself, through a DDP wrapper."""
-    return getattr(draft, "module", draft)
-
-
-def _config(draft: torch.nn.Module) -> DFlashConfig:
-    return _unwrapped(draft).config
-
-
-def _block_inputs(draft: torch.nn.Module, target: Target, ids: torch.Tensor) -> torch.Tensor:
-    inner = _unwrapped(draft)
-    return block_inputs(inner.config, target.embed_tokens.weight, ids, inner.mask_embedding)
-
-
-def draft_hidden_for_blocks(
-    draft: torch.nn.Module, target: Target, features: torch.Tensor, blocks: Blocks, num_blocks: int
-) -> torch.Tensor:
-    """The training forward for one sequence: all its blocks at once, context = every position's features.
-    The drafter's attention rule keeps block j to context < anchor_j and to itself. Returns [N*B, H]."""
-    seq_len = features.shape[0]
-    device = features.device
-    block_embeds = _block_inputs(draft, target, blocks.input_ids.to(device))[None]
-    context_positions = torch.arange(seq_len, device=device)[None]
-    hidden = draft(
-        block_embeds,
-        blocks.positions.to(device)[None],
-        target_features=features[None],
-        context_positions=context_positions,
-        num_blocks=num_blocks,
-    )
-    return hidden[0]
-
-
-def pad_blocks(blocks: Sequence[Blocks], block_size: int, mask_token_id: int) -> Blocks:
-    """Stack the blocks of several sequences into [k, N_max * B] tensors. A padding block is anchored at position 0
-    with weight 0: it sees no context (the rule is context < anchor) and only itself, so it cannot produce a NaN and
-    adds nothing to the loss."""
-    width = max(b.input_ids.numel() for b in blocks)
-    k = len(blocks)
-    out = Blocks(
-        input_ids=torch.full((k, width), mask_token_id, dtype=torch.long),
-        positions=torch.arange(width).remainder(block_size).repeat(k, 1),
-        labels=torch.zeros((k, width), dtype=torch.long),
-        weights=torch.zeros((k, width)),
-    )
-    for i, b in enumerate(blocks):
-        q = b.input_ids.numel()
-        out.input_ids[i, :q] = b.input_ids
-        out.positions[i, :q] = b.positions
-        out.labels[i, :q] = b.labels
-        out.weights[i, :q] = b.weights
-    return out
-
-
-def draft_hidden_for_padded_blocks(
-    draft: torch.nn.Module,
-    target: Target,
-    features: torch.Tensor,
-    blocks: Blocks,
-    block_size: int,
-) -> torch.Tensor:
-    """`draft_hidden_for_blocks` for k right-padded sequences in one forward: features [k, S_max, T*H], blocks from
-    `pad_blocks` ([k, N_max * B]). A row's padding sits at positions past its last token, hence past every anchor
-    of that row, so the context rule (context < anchor) already hides it. Returns [k, N_max * B, H]."""
-    k, s_max = features.shape[:2]
-    device = features.device
-    context_positions = torch.arange(s_max, device=device).repeat(k, 1)
-    return draft(
-        _block_inputs(draft, target, blocks.input_ids.to(device)),
-        blocks.positions.to(device),
-        target_features=features,
-        context_positions=context_positions,
-        num_blocks=blocks.input_ids.shape[1] // block_size,
-    )
-
 
 # ---------------------------------------------------------------------------------------------- the trainer
 
@@ -234,6 +100,9 @@ class TrainConfig:
     # instead (0.7x at 512 anchors), so it is opt-in; the device pipeline times both and keeps the faster. The KL term
     # and offline features keep the per-sequence path.
     padded_batches: bool = False
+    # The drafter's weights, gradients and AdamW states split over the ranks (FSDP2) instead of replicated (DDP):
+    # for drafters whose 16 bytes a parameter do not fit beside the target (memory_plan).
+    shard_drafter: bool = False
     progress: bool = True
     extra_meta: dict[str, Any] = field(default_factory=dict)
 
@@ -313,7 +182,17 @@ class Trainer:
         self.weights = slot_weights(self.block_size, self.gamma)
         self.use_bf16 = config.bf16 if config.bf16 is not None else self.device.type == "cuda"
         self.model: torch.nn.Module = self.draft
-        if self.world > 1:
+        self.drafter_sharded = config.shard_drafter
+        self._replicated: list[torch.nn.Parameter] = []  # drafter parameters left whole by the sharding
+        if config.shard_drafter:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise TrainError(
+                    "--shard-drafter needs a process group: launch with torchrun --nproc-per-node N"
+                )
+            if config.eval_every:
+                raise TrainError("--eval-every needs the whole drafter on rank 0: train it replicated")
+            self._replicated = shard_drafter(self.draft, self.device)
+        elif self.world > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             # Gradients as views of DDP's buckets: one copy of them, not two (memory_plan counts one).
@@ -324,7 +203,7 @@ class Trainer:
             )
         # Sequences with no valid anchor (answers shorter than 2 tokens) cannot teach anything.
         self.indices = [
-            i for i in range(len(dataset)) if _has_anchor(dataset[i]["loss_mask"][: config.max_length])
+            i for i in range(len(dataset)) if has_anchor(dataset[i]["loss_mask"][: config.max_length])
         ]
         if not self.indices:
             raise TrainError("no training sequence has two consecutive supervised (answer) tokens")
@@ -477,7 +356,11 @@ class Trainer:
         n_blocks = 0
         for m, mb in enumerate(prepared):
             sync = m == len(prepared) - 1
-            ctx = self.model.no_sync() if (self.world > 1 and not sync) else contextlib.nullcontext()
+            ctx = contextlib.nullcontext()
+            if self.drafter_sharded:
+                self.draft.set_requires_gradient_sync(sync)  # reduce-scatter once, after the last micro-batch
+            elif self.world > 1 and not sync:
+                ctx = self.model.no_sync()
             with ctx:
                 loss = torch.zeros((), device=self.device)
                 for part, weights, correct, n in self._micro_batch_losses(mb):
@@ -491,7 +374,7 @@ class Trainer:
                 # DDP averages gradients over ranks; scale by world so the result is the global weighted sum.
                 (loss * self.world / total_weight).backward()
                 loss_sum += float(loss.detach())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.cfg.max_grad_norm)
+        grad_norm = self._clip_gradients()
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
@@ -520,6 +403,78 @@ class Trainer:
             "step_s": dt,
         }
 
+    def _clip_gradients(self) -> torch.Tensor:
+        """clip_grad_norm_ over the global gradient; a sharded drafter's norm gathers its shards (and averages the
+        gradients of the parameters it keeps whole, which FSDP does not reduce)."""
+        if not self.drafter_sharded:
+            return torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.cfg.max_grad_norm)
+        for p in self._replicated:
+            if p.grad is not None and self.world > 1:
+                dist.all_reduce(p.grad)
+                p.grad.div_(self.world)
+        grads = [p.grad for p in self.draft.parameters() if p.grad is not None]
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        for g in grads:
+            squares = squares + full_tensor(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2
+        total = squares.sqrt()
+        coef = min(1.0, self.cfg.max_grad_norm / (float(total) + 1e-6))
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return total
+
+    def exportable_drafter(self) -> DFlashDraftModel | None:
+        """The whole drafter, for export: itself, or for a sharded one its gathered copy on rank 0 (None on the other
+        ranks; a collective, call it on every rank)."""
+        if not self.drafter_sharded:
+            return self.draft
+        state = self._full_states(optimizer=False)[0]
+        if self.rank != 0:
+            return None
+        whole = DFlashDraftModel(self.draft.config)
+        whole.load_state_dict(state)
+        whole.mask_embedding = self.draft.mask_embedding
+        return whole
+
+    def _full_states(self, optimizer: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A sharded drafter's full model and optimizer states on rank 0, the optimizer's keyed as a replicated
+        drafter's are (parameter index), so checkpoints read the same in both modes."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model = get_model_state_dict(self.draft, options=options)
+        optim = get_optimizer_state_dict(self.draft, self.optimizer, options=options) if optimizer else {}
+        index = {name: i for i, (name, _) in enumerate(self.draft.named_parameters())}
+        if optim:
+            optim = {
+                "state": {index[k]: v for k, v in optim["state"].items()},
+                "param_groups": [
+                    {**g, "params": [index[k] for k in g["params"]]} for g in optim["param_groups"]
+                ],
+            }
+        return model, optim
+
+    def _load_sharded(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        names = [name for name, _ in self.draft.named_parameters()]
+        optim = state["optimizer"]
+        optim = {
+            "state": {names[i]: v for i, v in optim["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in optim["param_groups"]],
+        }
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.draft, state["draft"], options=options)
+        set_optimizer_state_dict(self.draft, self.optimizer, optim, options=options)
+
     def unwrap(self) -> None:
         """Drop the DDP wrapper once training is over. Its reducer holds the process group, so while it lives
         destroy_process_group cannot free gloo's threads, and they would be torn down at interpreter exit instead
@@ -530,10 +485,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
+        draft, optim = self._full_states() if self.drafter_sharded else (None, None)
         return {
-            "draft": self.draft.state_dict(),
+            "draft": draft if self.drafter_sharded else self.draft.state_dict(),
             "draft_config": self.draft.config.to_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optim if self.drafter_sharded else self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
             "wall_s": self.wall_s,
@@ -543,18 +499,23 @@ class Trainer:
         }
 
     def save_checkpoint(self) -> None:
-        if self.rank != 0:
+        if self.rank != 0 and not self.drafter_sharded:
             return
-        self.ckpt_path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_torch_save(self.state_dict(), self.ckpt_path)
+        state = self.state_dict()  # every rank, for a sharded drafter: gathering it is a collective
+        if self.rank == 0:
+            self.ckpt_path.parent.mkdir(parents=True, exist_ok=True)
+            _atomic_torch_save(state, self.ckpt_path)
 
     def load_checkpoint(self, path: Path | None = None) -> bool:
         path = path or self.ckpt_path
         if not path.exists():
             return False
         state = torch.load(path, map_location=self.device, weights_only=False)
-        self.draft.load_state_dict(state["draft"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.drafter_sharded:
+            self._load_sharded(state)
+        else:
+            self.draft.load_state_dict(state["draft"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
         self.wall_s = state.get("wall_s", 0.0)
@@ -645,35 +606,3 @@ class Trainer:
                 if self.step % self.cfg.save_every == 0 or self.step == end:
                     self.save_checkpoint()
         return history
-
-
-@torch.no_grad()
-def init_layers_from_target(draft: DFlashDraftModel, target: Target) -> int:
-    """Start the drafter's layers as copies of the target's top layers (same-named tensors of equal shape:
-    attention and MLP projections, layer norms; q_norm/k_norm stay at one where the target has none). Returns the
-    number of tensors copied."""
-    copied = 0
-    n = len(draft.layers)
-    for i, layer in enumerate(draft.layers):
-        source = dict(target.layers[target.num_layers - n + i].named_parameters())
-        for name, param in layer.named_parameters():
-            src = source.get(name)
-            if src is not None and src.shape == param.shape:
-                param.copy_(
-                    full_tensor(src).to(param.device, param.dtype)
-                )  # every rank, for a sharded target
-                copied += 1
-    if copied == 0:
-        raise TrainError("no drafter layer tensor matches the target's layers in name and shape")
-    return copied
-
-
-def _has_anchor(loss_mask: torch.Tensor) -> bool:
-    mask = loss_mask.bool()
-    return bool((mask[:-1] & mask[1:]).any())
-
-
-# ---------------------------------------------------------------------------------------------- evaluation, export
-
-
-# ---------------------------------------------------------------------------------------------- CLI

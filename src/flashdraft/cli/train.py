@@ -182,6 +182,13 @@ def train(
             help="split the frozen target over the torchrun ranks (FSDP2): for targets too large for one GPU",
         ),
     ] = False,
+    shard_drafter: Annotated[
+        bool,
+        typer.Option(
+            "--shard-drafter/--replicate-drafter",
+            help="split the drafter's weights, gradients and AdamW states over the ranks (FSDP2) instead of DDP",
+        ),
+    ] = False,
     plan: Annotated[
         bool,
         typer.Option(
@@ -318,6 +325,7 @@ def train_command(
     bf16: bool | None = None,
     padded_batches: bool = False,
     shard_target: bool = False,
+    shard_drafter: bool = False,
     plan: bool = False,
     world_size: int | None = None,
     gpu_memory: float | None = None,
@@ -335,7 +343,7 @@ def train_command(
     longest = max((max(p.lengths, default=0) for p in parts), default=max_length)
     planned = _memory_plan(
         target, arch, num_layers, block_size, init_from, target_layer_ids, intermediate_size,
-        world=world_size or int(os.environ.get("WORLD_SIZE", "1")), shard_target=shard_target,
+        world=world_size or int(os.environ.get("WORLD_SIZE", "1")), shard_target=shard_target, shard_drafter=shard_drafter,
         batch_size=batch_size, seq_len=min(max_length, longest or max_length), num_anchors=num_anchors,
         lm_head_chunk=lm_head_chunk, target_dtype=target_dtype, bf16=bf16, padded_batches=padded_batches,
         kl=kl_weight > 0, device=device, gpu_memory=gpu_memory,
@@ -345,7 +353,7 @@ def train_command(
         for line in planned.lines():
             print(line)
         return
-    rank, world, dist_device = _init_distributed(single_group=shard_target)
+    rank, world, dist_device = _init_distributed(single_group=shard_target or shard_drafter)
     if rank == 0:
         print("\n".join(planned.lines()))
     if shard_target:
@@ -397,6 +405,7 @@ def train_command(
         lm_head_chunk=lm_head_chunk,
         bf16=bf16,
         padded_batches=padded_batches,
+        shard_drafter=shard_drafter,
     )
     trainer = Trainer(tgt, dataset, cfg)
     if rank == 0:
@@ -408,6 +417,7 @@ def train_command(
         )
     trainer.fit(resume=resume)
     trainer.unwrap()
+    drafter = trainer.exportable_drafter()  # gathered from every rank when it is sharded
     if dist.is_initialized():
         dist.barrier()
     if rank != 0:
@@ -441,7 +451,7 @@ def train_command(
                 for k in ("steps", "global_batch", "data_summary", "wall_time_s", "hardware", "init_from")
             },
         }
-    export_drafter(trainer.draft, out, meta, _DTYPES[export_dtype])
+    export_drafter(drafter, out, meta, _DTYPES[export_dtype])
     exported = DFlashDraftModel.from_pretrained(
         out, dtype=tgt.dtype, device=tgt.device
     )  # evaluate what ships
