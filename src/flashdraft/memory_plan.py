@@ -321,6 +321,18 @@ def fewest_ranks(target: TargetShape, draft_config: Any, settings: dict[str, Any
     return f" (sharding alone over up to {limit} ranks does not make it fit: shrink the micro-batch)"
 
 
+def largest_batch(target: TargetShape, draft_config: Any, settings: dict[str, Any], limit: int = 256) -> int:
+    """The most sequences per micro-batch that the plan fits (1 when none does, or the capacity is unknown)."""
+    if settings.get("capacity") is None:
+        return 1
+    best = 1
+    for b in range(2, limit + 1):
+        if not plan_training(target, draft_config, **{**settings, "batch_size": b}).fits:
+            break
+        best = b
+    return best
+
+
 def device_capacity(device: str, gpu_memory_gib: float | None = None) -> int | None:
     """Bytes one rank may use: the GPU's memory (or `gpu_memory_gib` for planning a GPU run elsewhere), the host's
     available memory for a CPU run."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -208,6 +209,7 @@ class DFlashAttention(nn.Module):
 
 
 _FLEX = None
+_COMPILE_MASK = True
 
 
 def _flex_attention():
@@ -529,9 +531,15 @@ class DFlashDraftModel(nn.Module):
                 visible = visible & (key_pos > q_pos - window) & (key_pos < q_pos + window)
             return visible
 
-        return create_block_mask(
-            mask_mod, B=b, H=None, Q_LEN=q_len, KV_LEN=c_len + q_len, device=block_positions.device
-        )
+        shape = dict(B=b, H=None, Q_LEN=q_len, KV_LEN=c_len + q_len, device=block_positions.device)
+        global _COMPILE_MASK  # compiled on CUDA (the mask of 512 blocks in one kernel), eager if that ever fails
+        if _COMPILE_MASK and block_positions.device.type == "cuda":
+            try:
+                return create_block_mask(mask_mod, **shape, _compile=True)
+            except Exception as e:  # any compiler failure: the eager mask is the same mask
+                _COMPILE_MASK = False
+                warnings.warn(f"compiled block mask failed ({type(e).__name__}), eager now", stacklevel=2)
+        return create_block_mask(mask_mod, **shape)
 
     # ------------------------------------------------------------------ construction and checkpoints
     @classmethod

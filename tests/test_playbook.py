@@ -1,0 +1,72 @@
+"""The GPU playbook (drafters/device/playbook.py) dry-run on the CPU with a tiny model: every part runs, what comes
+back is what the agenda needs in at most 8 files, and a second start resumes instead of starting over."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+PLAYBOOK = ROOT / "drafters" / "device" / "playbook.py"
+
+
+@pytest.mark.slow  # the whole agenda in small: ~1.5 minutes on 2 cores
+def test_playbook_dry_run_brings_back_everything_and_resumes(tmp_path):
+    from test_data import make_tokenizer
+
+    target = tmp_path / "target"
+    tiny_model("llama", layers=3).save_pretrained(target)
+    make_tokenizer().save_pretrained(target)
+    draft = tmp_path / "draft"
+    env = {**os.environ, "DRY": "1", "PLAYBOOK_DIR": str(tmp_path / "w"), "TARGET": str(target),
+           "DRAFT": str(draft), "OUT": str(tmp_path / "out"), "OMP_NUM_THREADS": "1"}  # fmt: skip
+    cli = [sys.executable, "-m", "flashdraft"]
+    subprocess.run([*cli, "init-draft", "--target", str(target), "--out", str(draft), "--num-layers", "1",
+                    "--block-size", "4"], check=True, env=env, capture_output=True)  # fmt: skip
+    (tmp_path / "out").mkdir()
+
+    def playbook(*args: str) -> str:
+        done = subprocess.run([sys.executable, str(PLAYBOOK), *args], env=env, capture_output=True, text=True,
+                              timeout=900, cwd=ROOT)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout
+
+    playbook("start", "600")
+    report = playbook("status", "800")
+    w = tmp_path / "w"
+    assert (w / "pipeline.done").exists(), report
+    for part in ("bench", "profile", "sharded", "regenerate", "eval"):
+        assert (w / "done" / part).exists(), (part, report)
+    back = sorted((tmp_path / "out").iterdir())
+    assert 1 <= len(back) <= 8 and all(p.stat().st_size < 16 * 2**20 for p in back), back
+    with open(tmp_path / "results.tgz", "wb") as f:
+        for piece in back:
+            f.write(piece.read_bytes())
+    with tarfile.open(tmp_path / "results.tgz") as tar:
+        names = set(tar.getnames())
+    for name in ("bench/results.json", "profile.json", "sharded.json", "gsm8k-t07.npz", "run/model.safetensors",
+                 "run/train_log.jsonl", "eval-new.json", "eval-shipped.json"):  # fmt: skip
+        assert name in names, (name, sorted(names))
+    # the sharded path at world size 1 takes the steps the whole target takes
+    sharded = json.loads((w / "sharded.json").read_text())
+    assert sharded["whole"]["exit"] == sharded["sharded"]["exit"] == 0
+    assert len(sharded["whole"]["losses"]) == len(sharded["sharded"]["losses"]) > 0
+    assert sharded["sharded"]["losses"] == pytest.approx(sharded["whole"]["losses"], rel=1e-4)
+    profile = json.loads((w / "profile.json").read_text())
+    assert 0 <= profile["generate"]["outside_forward_share"] < 1
+
+    steps = len((w / "run" / "train_log.jsonl").read_text().splitlines())
+    playbook("start", "400")  # a later half hour: finished parts are skipped, training resumes
+    playbook("status", "600")
+    log = (w / "pipeline.log").read_text().split("pipeline finished")[-2]
+    assert "flashdraft bench" not in log and "profile_decode" not in log
+    assert "resumed from" in (w / "train.log").read_text()
+    assert len((w / "run" / "train_log.jsonl").read_text().splitlines()) > steps
