@@ -38,9 +38,8 @@ def main(model_dir: str, data_file: str, out_file: str, drafter: str, arch: str)
                 "features": features,
                 "history": history,
                 "draft": whole.state_dict(),
-                "local_rows": target.layers[0].mlp.up_proj.weight.to_local().shape[0]
-                if hasattr(target.layers[0], "mlp")
-                else None,
+                # every rank holds its slice of each layer tensor: (rows here, rows in all)
+                "rows": [(p.to_local().shape[0], p.shape[0]) for p in target.layers[0].parameters()],
             },
             out_file,
         )

@@ -37,13 +37,14 @@ def _dataset(model, n: int = 4, seed: int = 0) -> list[dict[str, torch.Tensor]]:
         ("qwen3_5", "ddp", "dflash"),
         ("llama", "fsdp", "dflash"),
         ("qwen3_5", "fsdp", "dflash2"),
+        ("qwen3_5_moe", "ddp", "dflash"),  # MoE: fused expert tensors sharded on their first dim
     ],
 )
 def test_two_process_sharded_target_matches_one_process(tmp_path, family, drafter, arch):
     """Target sharded, drafter replicated (DDP) or sharded (FSDP2; a DFlash2 drafter keeps its selector whole)."""
     from test_data import make_tokenizer
 
-    model = tiny_model("llama", seed=4, layers=4) if family == "llama" else hybrid_model("qwen3_5", seed=4)
+    model = tiny_model("llama", seed=4, layers=4) if family == "llama" else hybrid_model(family, seed=4)
     model_dir = tmp_path / "target"
     model.save_pretrained(model_dir)
     make_tokenizer().save_pretrained(model_dir)
@@ -56,8 +57,7 @@ def test_two_process_sharded_target_matches_one_process(tmp_path, family, drafte
     done = subprocess.run(run, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     sharded = torch.load(tmp_path / "sharded.pt", weights_only=False)
-    if sharded["local_rows"] is not None:  # each rank held half of a layer, not all of it
-        assert sharded["local_rows"] == model.config.intermediate_size // 2
+    assert sharded["rows"] and all(here == -(-rows // 2) for here, rows in sharded["rows"]), sharded["rows"]
 
     target = Target(model)  # the whole target, one process, the same global batch of 2 sequences
     taps = [0, target.num_layers - 2, target.num_layers - 1]
