@@ -343,3 +343,22 @@ def test_served_sampling_is_lossless(small_target):
     samples = Counter(tuple(o) for o in outputs if o is not None)
     assert sum(samples.values()) == N_BATCHED
     assert_same_law(samples, exact_joint(small_target, params), N_BATCHED)
+
+
+def test_greedy_rows_are_verified_at_once_as_row_by_row():
+    """The engine's one-transfer accept decision for greedy rows equals `verify_block` on each row; a row with
+    non-finite logits sends the step back row by row (where the error names its position)."""
+    from flashdraft.sampling import SamplingParams, verify_block, verify_greedy_rows
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 5, 11, generator=g)
+    drafts = logits[:, :4].argmax(-1)  # the target's own tokens ...
+    for i in range(6):  # ... made wrong from slot i (row 5: never, all four drafts right)
+        if i < 4:
+            drafts[i, i] = (drafts[i, i] + 1) % 11
+    params = SamplingParams(temperature=0.0)
+    expected = [verify_block(logits[i], drafts[i], params, None) for i in range(6)]
+    assert verify_greedy_rows(logits, drafts) == expected
+    assert [a for a, _ in expected] == [0, 1, 2, 3, 4, 4]
+    logits[3, 2, 0] = float("nan")
+    assert verify_greedy_rows(logits, drafts) is None

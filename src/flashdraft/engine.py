@@ -38,6 +38,7 @@ from .sampling import (
     sample_token,
     verify_block,
     verify_block_pq,
+    verify_greedy_rows,
 )
 from .target import Target
 
@@ -479,10 +480,19 @@ class BatchDecoder:
         )
 
         kept = torch.zeros(len(rows), n, dtype=torch.bool, device=device)
-        finished, features, own_accepted = [], [], []
+        finished, features, own_accepted, kept_counts = [], [], [], []
+        # Greedy rows: one accept decision for all of them, one transfer to the host.
+        greedy = [i for i, r in enumerate(rows) if r.sampling.greedy]
+        pick = (
+            slice(None) if len(greedy) == len(rows) else greedy
+        )  # no copy of the logits when every row is greedy
+        decided = verify_greedy_rows(out.logits[pick], block[pick, 1:]) if greedy else None
+        decided = dict(zip(greedy, decided, strict=True)) if decided is not None else {}
         for i, row in enumerate(rows):
             real = proposals[i].shape[0]
-            if self.proposer.sampled_drafts and not row.sampling.greedy:  # speculative sampling (p/q)
+            if i in decided:
+                accepted, emitted = decided[i]
+            elif self.proposer.sampled_drafts and not row.sampling.greedy:  # speculative sampling (p/q)
                 start = row.anchor_position + 1
                 accepted, emitted = verify_block_pq(
                     out.logits[i, : real + 1],
@@ -515,13 +525,14 @@ class BatchDecoder:
             if reason is None and len(row.tokens) >= row.max_new_tokens:
                 reason = "max_new_tokens"
             kept[i, : accepted + 1] = True
+            kept_counts.append(accepted + 1)
             features.append(None if out.features is None else out.features[i : i + 1, : accepted + 1])
             if reason is not None:
                 res.proposer_stats = self.proposer.stats(i)
                 row.finish(reason)
                 finished.append(row)
         # Recurrent state: each row keeps its anchor + accepted drafts (its KV columns are masked below).
-        self.target.keep(self.cache, [int(k.sum()) for k in kept])
+        self.target.keep(self.cache, kept_counts)
         # Verify forward + acceptance bookkeeping: what a step costs besides proposing.
         self.proposer.timed(len(rows), n, int(starts.float().mean()), time.perf_counter() - t0)
         self.proposer.observe(rows, [p.shape[0] for p in proposals], own_accepted)
