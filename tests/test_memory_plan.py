@@ -188,3 +188,26 @@ def test_batch_size_zero_takes_the_largest_micro_batch_the_plan_fits(tmp_path):
                                  "--block-size", "4", "--num-layers", "1"])  # fmt: skip
     assert r.exit_code == 0, r.output
     assert f"{b} seq x 512 tokens" in r.output
+
+
+def test_the_deployed_targets_table_plans_the_fewest_gpus_that_fit():
+    """benchmarks/plan_table.py: each target's configuration parses with this transformers, its chosen setting fits
+    80 GB GPUs, and no smaller node size (1, 2, 4, 8 GPUs) does (the README's table is this computation)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plan_table", ROOT / "benchmarks" / "plan_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    gpus = {}
+    for name in table.TARGETS:
+        shape, draft, plan, _ = table.choose(name)
+        assert plan.fits, name
+        gpus[name] = plan.world
+        settings = {k: plan.settings[k] for k in ("batch_size", "seq_len", "num_anchors", "block_size")}
+        common = dict(settings, target_dtype=torch.bfloat16, bf16=True, device="cuda", capacity=plan.capacity)
+        for fewer in [n for n in (1, 2, 4, 8) if n < plan.world]:
+            for shard_drafter in (False, True):
+                smaller = plan_training(shape, draft, world=fewer, shard_target=fewer > 1,
+                                        shard_drafter=shard_drafter and fewer > 1, **common)  # fmt: skip
+                assert not smaller.fits, (name, fewer)
+    assert gpus["Qwen3-8B"] == 1 and gpus["Qwen3.5-122B-A10B"] > gpus["Qwen3.5-27B"] > 1
