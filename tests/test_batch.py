@@ -191,3 +191,30 @@ def test_bad_batches_are_clear_errors(models):
     with pytest.raises(GenerationError, match="generate_batch"):
         generate(target, drafter(models["llama"]), [[3, 4], [5, 6]])
     assert generate_batch(target, None, []) == []
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_bucketed_verify_lengths_decode_the_same_tokens(models, temperature):
+    """The GPU path pads every verify to a few fixed lengths: with buckets forced on here, ragged oracle acceptance,
+    rows joining and leaving, every row still gets exactly the tokens plain decoding gives it (the padding is
+    verified like drafts), and the steps really ran at bucket lengths."""
+    from flashdraft.generate import run
+
+    target = Target(models["llama"])
+    prompts = random_prompts(5, seed=11)
+    limits = [33, 9, 41, 2, 25]
+    sampling = SamplingParams(temperature=temperature)
+    alone = [generate_ar(target, p, m, temperature=temperature, seed=7 + i, stop_token_ids=[])
+             for i, (p, m) in enumerate(zip(prompts, limits, strict=True))]  # fmt: skip
+    references = iter([p + a.new_tokens + [0] * 20 for p, a in zip(prompts, alone, strict=True)])
+    rng = random.Random(5)
+    proposer = PerRowProposers(lambda: OracleProposer(next(references), VOCAB, 7, rng))
+    decoder = BatchDecoder(target, proposer, max_batch_size=3)
+    decoder.verify_buckets = (1, 2, 4, 8)
+    lengths = []
+    timed = proposer.timed
+    proposer.timed = lambda rows, n, *a: (lengths.append(n), timed(rows, n, *a))
+    got = run(decoder, prompts, limits, sampling, [], [7 + i for i in range(5)])
+    for g, a in zip(got, alone, strict=True):
+        assert g.new_tokens == a.new_tokens
+    assert set(lengths) <= {1, 2, 4, 7} and len(set(lengths)) > 1, lengths

@@ -15,6 +15,10 @@ is compacted (each row's tokens moved right-aligned, padding on the left) when t
 for sliding-window models, whose window is measured in columns. One row never has holes: its rejected tokens are
 the cache's last columns, which are cropped.
 
+Every KV layer is a `KVBuffer`: a verify writes its columns into room kept at the end (no copy of the whole cache per
+step), a rollback moves the length back. On a GPU the verify length is padded up to a bucket (1, 2, 4, 8, 16, 32, or
+the block), so steps come in a handful of shapes; greedy rows are accepted with one transfer to the host per step.
+
 A row that finishes or is cancelled leaves between steps and its cache rows are freed at once. `generate`,
 `generate_ar`, `generate_batch` and the server all run this loop. At temperature 0 each row's output is the target's
 own greedy decoding; at temperature > 0 it is the sample plain decoding draws with the same seed (sampling.py).
@@ -257,17 +261,111 @@ def _is_sliding(target: Target) -> bool:
     )
 
 
-def _batch_cache(target: Target) -> Any:
-    """A cache of full-attention layers for every model (sliding windows come from the mask, over columns), beside
-    the recurrent layers of a hybrid target."""
-    from transformers import DynamicCache
+def _kv_buffer_class() -> type:
+    """`KVBuffer`: a DynamicLayer whose K/V live in a buffer with room to grow. A verify writes its n columns in place
+    instead of `torch.cat`-ing the whole cache of every layer (a copy of all the context, every step), and a rollback
+    moves the length back. What rebuilds the cache (rows joining or leaving, compaction) assigns whole tensors, which
+    become the buffer. Built on first use: transformers is imported lazily."""
+    global _KV_BUFFER
+    if _KV_BUFFER is not None:
+        return _KV_BUFFER
     from transformers.cache_utils import DynamicLayer
 
+    class KVBuffer(DynamicLayer):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self._k = self._v = None
+            self._len = self._vlen = (
+                0  # columns in use (the engine assigns keys and values one after the other)
+            )
+            super().__init__(*args, **kwargs)
+
+        @staticmethod
+        def _adopt(old: torch.Tensor | None, new: torch.Tensor | None) -> bool:
+            """Whether `new` is `old` cut shorter along the columns (a crop): then the buffer stays."""
+            return (
+                old is not None and new is not None and new.dim() == 4 and new.data_ptr() == old.data_ptr()
+                and new.stride() == old.stride() and new.shape[:2] == old.shape[:2] and new.shape[3] == old.shape[3]
+            )  # fmt: skip
+
+        @property
+        def keys(self) -> torch.Tensor | None:
+            return None if self._k is None else self._k[:, :, : self._len]
+
+        @keys.setter
+        def keys(self, value: torch.Tensor | None) -> None:
+            if not self._adopt(self._k, value):
+                self._k = value if value is not None and value.dim() == 4 else None
+            self._len = value.shape[-2] if self._k is not None else 0
+
+        @property
+        def values(self) -> torch.Tensor | None:
+            return None if self._v is None else self._v[:, :, : self._vlen]
+
+        @values.setter
+        def values(self, value: torch.Tensor | None) -> None:
+            if not self._adopt(self._v, value):
+                self._v = value if value is not None and value.dim() == 4 else None
+            self._vlen = value.shape[-2] if self._v is not None else 0
+
+        def lazy_initialization(self, key_states: torch.Tensor, *args: Any) -> None:
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self._k = self._v = None
+            self._len = self._vlen = 0
+            self.is_initialized = True
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            n, length = key_states.shape[-2], self._len
+            need = length + n
+            k, v = self._k, self._v
+            if (
+                k is None
+                or v is None
+                or k.shape[0] != key_states.shape[0]
+                or need > min(k.shape[-2], v.shape[-2])
+            ):
+                room = need + max(64, need // 4)  # amortised: a copy of the cache every ~need/4 columns
+                for name, new in (("_k", key_states), ("_v", value_states)):
+                    buf = new.new_empty(new.shape[0], new.shape[1], room, new.shape[3])
+                    old = getattr(self, name)
+                    if old is not None and length:
+                        buf[:, :, :length] = old[:, :, :length]
+                    setattr(self, name, buf)
+            self._k[:, :, length:need] = key_states
+            self._v[:, :, length:need] = value_states
+            self._len = self._vlen = need
+            return self.keys, self.values
+
+        def get_seq_length(self, *args: Any) -> int:
+            return self._len if self._k is not None else 0
+
+        def crop(self, max_length: int) -> None:
+            """`max_length` < 0: remove that many columns (4.57 and 5.x); >= 0: keep that many (4.57)."""
+            keep = self._len - abs(max_length) if max_length < 0 else max_length
+            self._len = self._vlen = max(0, min(self._len, keep))
+
+    _KV_BUFFER = KVBuffer
+    return KVBuffer
+
+
+_KV_BUFFER: type | None = None
+VERIFY_BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+def _batch_cache(target: Target) -> Any:
+    """A cache of full-attention layers for every model (sliding windows come from the mask, over columns), beside
+    the recurrent layers of a hybrid target; every KV layer a `KVBuffer`."""
+    from transformers import DynamicCache
+
+    kv_buffer = _kv_buffer_class()
     if target.recurrent is None:
-        return DynamicCache()
+        cache = DynamicCache()
+        cache.layer_class_to_replicate = kv_buffer
+        return cache
     cache = DynamicCache(config=target.model.config)
     cache.layers = [
-        DynamicLayer() if has_kv(layer) and not is_recurrent_layer(layer) else layer for layer in cache.layers
+        kv_buffer() if has_kv(layer) and not is_recurrent_layer(layer) else layer for layer in cache.layers
     ]
     return cache
 
@@ -296,6 +394,9 @@ class BatchDecoder:
         self.cache: Any = None
         self.valid: torch.Tensor | None = None  # [b, C] bool: which cache column holds a token of which row
         self.sliding = _is_sliding(target)
+        # Verify lengths padded up to a few sizes on a GPU, so a step has one of a handful of shapes (what a captured
+        # graph or a compiled kernel needs); the padding is verified like drafts, so it can only add tokens.
+        self.verify_buckets: tuple[int, ...] | None = VERIFY_BUCKETS if target.device.type == "cuda" else None
         self.block_size = proposer.max_block_size if block_size is None else block_size
         if not 1 <= self.block_size <= proposer.max_block_size:
             raise GenerationError(
@@ -451,6 +552,10 @@ class BatchDecoder:
                     f"{type(self.proposer).__name__} proposed {p.shape[0]} tokens, at most {m} allowed"
                 )
         n = 1 + max(p.shape[0] for p in proposals)
+        if (
+            self.verify_buckets
+        ):  # the next bucket, or the decoder's block if that is smaller (a fixed size too)
+            n = min(max(n, self.block_size), next((b for b in self.verify_buckets if b >= n), n))
         block = torch.empty(len(rows), n, dtype=torch.long)
         for i, (row, p) in enumerate(zip(rows, proposals, strict=True)):
             block[i, 0] = row.tokens[-1]
