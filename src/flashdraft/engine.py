@@ -271,41 +271,37 @@ def _kv_buffer_class() -> type:
         return _KV_BUFFER
     from transformers.cache_utils import DynamicLayer
 
+    class _Columns:
+        """`keys` / `values`: the columns in use of a buffer. Assigning a tensor makes it the buffer, unless it is the
+        buffer cut shorter (a crop), which only moves the length."""
+
+        def __init__(self, buffer: str, length: str) -> None:
+            self.buffer, self.length = buffer, length
+
+        def __get__(self, layer: Any, owner: type) -> torch.Tensor | None:
+            buf = getattr(layer, self.buffer)
+            return None if buf is None else buf[:, :, : getattr(layer, self.length)]
+
+        def __set__(self, layer: Any, value: torch.Tensor | None) -> None:
+            old = getattr(layer, self.buffer)
+            cropped = (
+                old is not None and value is not None and value.dim() == 4 and value.data_ptr() == old.data_ptr()
+                and value.stride() == old.stride() and value.shape[:2] == old.shape[:2]
+                and value.shape[3] == old.shape[3]
+            )  # fmt: skip
+            if not cropped:
+                setattr(layer, self.buffer, value if value is not None and value.dim() == 4 else None)
+            setattr(layer, self.length, value.shape[-2] if getattr(layer, self.buffer) is not None else 0)
+
     class KVBuffer(DynamicLayer):
+        # Lengths kept apart: the engine assigns keys and values one after the other.
+        keys = _Columns("_k", "_len")
+        values = _Columns("_v", "_vlen")
+
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             self._k = self._v = None
-            self._len = self._vlen = (
-                0  # columns in use (the engine assigns keys and values one after the other)
-            )
+            self._len = self._vlen = 0
             super().__init__(*args, **kwargs)
-
-        @staticmethod
-        def _adopt(old: torch.Tensor | None, new: torch.Tensor | None) -> bool:
-            """Whether `new` is `old` cut shorter along the columns (a crop): then the buffer stays."""
-            return (
-                old is not None and new is not None and new.dim() == 4 and new.data_ptr() == old.data_ptr()
-                and new.stride() == old.stride() and new.shape[:2] == old.shape[:2] and new.shape[3] == old.shape[3]
-            )  # fmt: skip
-
-        @property
-        def keys(self) -> torch.Tensor | None:
-            return None if self._k is None else self._k[:, :, : self._len]
-
-        @keys.setter
-        def keys(self, value: torch.Tensor | None) -> None:
-            if not self._adopt(self._k, value):
-                self._k = value if value is not None and value.dim() == 4 else None
-            self._len = value.shape[-2] if self._k is not None else 0
-
-        @property
-        def values(self) -> torch.Tensor | None:
-            return None if self._v is None else self._v[:, :, : self._vlen]
-
-        @values.setter
-        def values(self, value: torch.Tensor | None) -> None:
-            if not self._adopt(self._v, value):
-                self._v = value if value is not None and value.dim() == 4 else None
-            self._vlen = value.shape[-2] if self._v is not None else 0
 
         def lazy_initialization(self, key_states: torch.Tensor, *args: Any) -> None:
             self.dtype, self.device = key_states.dtype, key_states.device
@@ -588,9 +584,8 @@ class BatchDecoder:
         finished, features, own_accepted, kept_counts = [], [], [], []
         # Greedy rows: one accept decision for all of them, one transfer to the host.
         greedy = [i for i, r in enumerate(rows) if r.sampling.greedy]
-        pick = (
-            slice(None) if len(greedy) == len(rows) else greedy
-        )  # no copy of the logits when every row is greedy
+        # No copy of the logits when every row is greedy.
+        pick = slice(None) if len(greedy) == len(rows) else greedy
         decided = verify_greedy_rows(out.logits[pick], block[pick, 1:]) if greedy else None
         decided = dict(zip(greedy, decided, strict=True)) if decided is not None else {}
         for i, row in enumerate(rows):

@@ -82,12 +82,17 @@ def position_uniforms(seed: int, start: int, count: int) -> torch.Tensor:
     )
 
 
+def non_finite_rows(values: torch.Tensor) -> torch.Tensor:
+    """[...] bool over the last dim: rows no token can be drawn from. -inf is a legitimate logit (a masked token) as
+    long as something is left; NaN and +inf never are."""
+    return torch.isnan(values).any(-1) | torch.isposinf(values).any(-1) | torch.isneginf(values).all(-1)
+
+
 def check_finite(values: torch.Tensor, position: int | None) -> None:
     """Refuse to pick a token from NaN / +inf logits (an fp16 overflow in the target, a broken checkpoint): a draw
     from them would be garbage. Logits that pass give finite probabilities at any temperature the sampler divides by
     (>= GREEDY_BELOW), so this one check per step suffices. [n, V]; `position`: the output position of row 0."""
-    # -inf is a legitimate logit (a masked token) as long as something is left; NaN and +inf never are.
-    bad = torch.isnan(values).any(-1) | torch.isposinf(values).any(-1) | torch.isneginf(values).all(-1)
+    bad = non_finite_rows(values)
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
         where = f"output position {position + row}" if position is not None else f"row {row} of the step"
@@ -151,7 +156,7 @@ def verify_greedy_rows(
     logits [b, n + 1, V], draft_tokens [b, n]; per row (accepted drafts a, emitted tokens), or None when some row's
     logits are not finite (the caller then goes row by row, and `verify_block` names the position)."""
     n = draft_tokens.shape[1]
-    bad = torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | torch.isneginf(logits).all(-1)
+    bad = non_finite_rows(logits)  # [b, n + 1]
     target_tokens = logits.argmax(-1)  # [b, n + 1]
     accepted = (target_tokens[:, :n] == draft_tokens.to(target_tokens.device)).int().cumprod(1).sum(1)
     host = torch.cat([bad.any(-1).long(), accepted.long(), target_tokens.flatten()]).tolist()

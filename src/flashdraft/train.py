@@ -48,7 +48,7 @@ from .files import atomic_write, atomic_write_text
 from .loss import selector_loss, target_distribution, weighted_block_loss
 from .model import DFlashDraftModel
 from .progress import progress_bar
-from .sharding import full_tensor, is_sharded, shard_drafter
+from .sharding import is_sharded, shard_drafter
 from .target import Target
 
 # ---------------------------------------------------------------------------------------------- the trainer
@@ -105,6 +105,14 @@ class TrainConfig:
     shard_drafter: bool = False
     progress: bool = True
     extra_meta: dict[str, Any] = field(default_factory=dict)
+
+
+def _rekey_optimizer(state: dict[str, Any], key: dict[Any, Any]) -> dict[str, Any]:
+    """An optimizer state dict with its parameters renamed through `key` (index <-> name)."""
+    return {
+        "state": {key[k]: v for k, v in state["state"].items()},
+        "param_groups": [{**g, "params": [key[k] for k in g["params"]]} for g in state["param_groups"]],
+    }
 
 
 def end_distributed() -> None:
@@ -416,11 +424,16 @@ class Trainer:
             if p.grad is not None and self.world > 1:
                 dist.all_reduce(p.grad)
                 p.grad.div_(self.world)
+        from torch.distributed.tensor import DTensor
+
         grads = [p.grad for p in self.draft.parameters() if p.grad is not None]
-        squares = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in grads:
-            squares = squares + full_tensor(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2
-        total = squares.sqrt()
+        sharded = [g.to_local() for g in grads if isinstance(g, DTensor)]
+        whole = [g for g in grads if not isinstance(g, DTensor)]  # the same on every rank
+        squares = sum((g.float().square().sum() for g in sharded), torch.zeros((), device=self.device))
+        dist.all_reduce(squares)  # one collective for all the shards
+        total = (
+            squares + sum((g.float().square().sum() for g in whole), torch.zeros((), device=self.device))
+        ).sqrt()
         coef = min(1.0, self.cfg.max_grad_norm / (float(total) + 1e-6))
         if coef < 1.0:
             for g in grads:
@@ -453,14 +466,7 @@ class Trainer:
         model = get_model_state_dict(self.draft, options=options)
         optim = get_optimizer_state_dict(self.draft, self.optimizer, options=options) if optimizer else {}
         index = {name: i for i, (name, _) in enumerate(self.draft.named_parameters())}
-        if optim:
-            optim = {
-                "state": {index[k]: v for k, v in optim["state"].items()},
-                "param_groups": [
-                    {**g, "params": [index[k] for k in g["params"]]} for g in optim["param_groups"]
-                ],
-            }
-        return model, optim
+        return model, _rekey_optimizer(optim, index) if optim else optim
 
     def _load_sharded(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import (
@@ -469,12 +475,8 @@ class Trainer:
             set_optimizer_state_dict,
         )
 
-        names = [name for name, _ in self.draft.named_parameters()]
-        optim = state["optimizer"]
-        optim = {
-            "state": {names[i]: v for i, v in optim["state"].items()},
-            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in optim["param_groups"]],
-        }
+        names = dict(enumerate(name for name, _ in self.draft.named_parameters()))
+        optim = _rekey_optimizer(state["optimizer"], names)
         options = StateDictOptions(full_state_dict=True)
         set_model_state_dict(self.draft, state["draft"], options=options)
         set_optimizer_state_dict(self.draft, self.optimizer, optim, options=options)
@@ -489,11 +491,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        draft, optim = self._full_states() if self.drafter_sharded else (None, None)
+        if self.drafter_sharded:
+            draft, optim = self._full_states()
+        else:
+            draft, optim = self.draft.state_dict(), self.optimizer.state_dict()
         return {
-            "draft": draft if self.drafter_sharded else self.draft.state_dict(),
+            "draft": draft,
             "draft_config": self.draft.config.to_dict(),
-            "optimizer": optim if self.drafter_sharded else self.optimizer.state_dict(),
+            "optimizer": optim,
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
             "wall_s": self.wall_s,
