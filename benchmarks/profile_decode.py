@@ -8,7 +8,8 @@ the target's verify pass over B tokens, the cache rollback, and the break-even Ï
 the mean acceptance length above which speculation is faster than plain decoding on this machine. A torch.profiler
 table of one full `generate` call follows (top operators by self CPU time), and the share of that call spent
 outside the model forwards (target and drafter; the engine's own work: proposing, accepting, rolling back).
-`--device cuda --dtype bfloat16` profiles a GPU (the playbook does); `--json FILE` keeps the figures.
+`--device cuda --dtype bfloat16` profiles a GPU (the playbook does); `--compile` the compiled verify (CUDA graphs
+there; its graphs are made by a warm-up first); `--json FILE` keeps the figures.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import time
 
 import torch
 
-from flashdraft import DFlashDraftModel, DFlashProposer, generate, load_target
+from flashdraft import DFlashDraftModel, DFlashProposer, Target, generate, load_target
+from flashdraft.kv_cache import VerifyForward, compile_verify
 from flashdraft.measure import median_seconds
 
 
@@ -35,6 +37,9 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="target dtype (default: bf16 on GPUs, fp32 on CPUs)")
     ap.add_argument("--json", default=None, help="also write the figures to this file")
     ap.add_argument(
+        "--compile", action="store_true", help="the static cache's verify, compiled (kv_cache.py)"
+    )
+    ap.add_argument(
         "--draft-dtype",
         default="bfloat16",
         help="precision of the drafter and its head copy (float32|bfloat16)",
@@ -44,6 +49,10 @@ def main() -> None:
     torch.set_grad_enabled(False)
 
     target = load_target(args.target, dtype=args.dtype, device=args.device)
+    if args.compile:
+        note = compile_verify(target)
+        if note:
+            raise SystemExit(note)
     draft = DFlashDraftModel.from_pretrained(args.draft, dtype=target.dtype, device=target.device)
     ids = torch.randint(10, min(1000, target.vocab_size), (1, args.context), device=target.device)
     figures: dict = {
@@ -51,6 +60,7 @@ def main() -> None:
         "dtype": str(target.dtype),
         "context": args.context,
         "blocks": {},
+        "compile_verify": args.compile,
     }
     if target.device.type == "cuda":
         figures["gpu"] = torch.cuda.get_device_name(target.device)
@@ -94,8 +104,14 @@ def main() -> None:
         )
 
     prompt = target.encode_prompt("Janet's ducks lay 16 eggs per day. How many eggs in a week?")
-    generate(target, draft, prompt, 16)  # also measures (or loads) the cost model of the default policy
-    in_models = forward_timer(target.model, draft, target.lm_head)
+    # Also measures (or loads) the cost model of the default policy; compiled, the verify's graphs are made here.
+    generate(target, draft, prompt, 64 if args.compile else 16)
+    if args.compile:  # hooks on the target would enter its graphs: its two entry points are timed instead
+        in_models = forward_timer(
+            draft, target.lm_head, functions=[(Target, "forward"), (VerifyForward, "__call__")]
+        )
+    else:
+        in_models = forward_timer(target.model, draft, target.lm_head)
     t0 = time.perf_counter()
     timed = generate(target, draft, prompt, 64)
     _sync(target.device)
@@ -132,14 +148,27 @@ class forward_timer:
     nested calls counted once; synchronised on a GPU so each forward's kernels count in it): what is left of a step
     is the engine's."""
 
-    def __init__(self, *modules: torch.nn.Module) -> None:
+    def __init__(self, *modules: torch.nn.Module, functions: list[tuple[type, str]] = ()) -> None:
         self.seconds = 0.0
         self._depth = 0
         self._started = 0.0
         self._handles = []
+        self._wrapped = []
         for module in modules:
             self._handles.append(module.register_forward_pre_hook(self._pre))
             self._handles.append(module.register_forward_hook(self._post))
+        for owner, name in functions:  # methods timed as a whole (a compiled forward cannot take hooks)
+            original = getattr(owner, name)
+
+            def timed(*args, _original=original, **kwargs):
+                self._pre(_model_of(args), None)
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    self._post(_model_of(args), None, None)
+
+            setattr(owner, name, timed)
+            self._wrapped.append((owner, name, original))
 
     def _pre(self, module, _args) -> None:
         if self._depth == 0:
@@ -156,6 +185,13 @@ class forward_timer:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+        for owner, name, original in self._wrapped:
+            setattr(owner, name, original)
+
+
+def _model_of(args: tuple) -> torch.nn.Module:
+    """The module whose device a timed method's sync waits on: its target's model."""
+    return args[0].model if isinstance(args[0], Target) else args[0].target.model
 
 
 if __name__ == "__main__":

@@ -87,6 +87,15 @@ def test_generate_bad_input_is_one_line_before_any_load(dirs, no_model_load, cha
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
 
 
+def test_a_bad_compile_setting_is_one_line_before_any_load(dirs, no_model_load):
+    env = {"FLASHDRAFT_COMPILE": "reduce-overhead"}
+    result = CliRunner().invoke(app, ["generate", *_generate_args(dirs), "--compile", "Hi"], env=env)
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        "error: FLASHDRAFT_COMPILE must be a JSON object of torch.compile options, got 'reduce-overhead'"
+    ]
+
+
 def test_generate_empty_prompt(dirs, no_model_load):
     result = CliRunner().invoke(app, ["generate", *_generate_args(dirs), "  "])
     assert result.exit_code == 2 and result.output.strip() == "error: the prompt is empty"

@@ -27,7 +27,8 @@ def test_playbook_dry_run_brings_back_everything_and_resumes(tmp_path):
     make_tokenizer().save_pretrained(target)
     draft = tmp_path / "draft"
     env = {**os.environ, "DRY": "1", "PLAYBOOK_DIR": str(tmp_path / "w"), "TARGET": str(target),
-           "DRAFT": str(draft), "OUT": str(tmp_path / "out"), "OMP_NUM_THREADS": "1"}  # fmt: skip
+           "DRAFT": str(draft), "OUT": str(tmp_path / "out"), "OMP_NUM_THREADS": "1",
+           "FLASHDRAFT_COMPILE": '{"backend": "eager"}'}  # the compiled parts traced whole, kernels eager  # fmt: skip
     cli = [sys.executable, "-m", "flashdraft"]
     subprocess.run([*cli, "init-draft", "--target", str(target), "--out", str(draft), "--num-layers", "1",
                     "--block-size", "4"], check=True, env=env, capture_output=True)  # fmt: skip
@@ -43,7 +44,7 @@ def test_playbook_dry_run_brings_back_everything_and_resumes(tmp_path):
     report = playbook("status", "800")
     w = tmp_path / "w"
     assert (w / "pipeline.done").exists(), report
-    for part in ("bench", "profile", "sharded", "regenerate", "eval"):
+    for part in ("bench", "profile", "compiled", "sharded", "regenerate", "eval"):
         assert (w / "done" / part).exists(), (part, report)
     back = sorted((tmp_path / "out").iterdir())
     assert 1 <= len(back) <= 8 and all(p.stat().st_size < 16 * 2**20 for p in back), back
@@ -52,7 +53,8 @@ def test_playbook_dry_run_brings_back_everything_and_resumes(tmp_path):
             f.write(piece.read_bytes())
     with tarfile.open(tmp_path / "results.tgz") as tar:
         names = set(tar.getnames())
-    for name in ("bench/results.json", "profile.json", "sharded.json", "gsm8k-t07.npz", "run/model.safetensors",
+    for name in ("bench/results.json", "profile.json", "bench-compiled/results.json", "profile-compiled.json",
+                 "sharded.json", "train-modes.json", "gsm8k-t07.npz", "run/model.safetensors",
                  "run/train_log.jsonl", "eval-new.json", "eval-shipped.json"):  # fmt: skip
         assert name in names, (name, sorted(names))
     # the sharded path at world size 1 takes the steps the whole target takes
@@ -62,6 +64,9 @@ def test_playbook_dry_run_brings_back_everything_and_resumes(tmp_path):
     assert sharded["sharded"]["losses"] == pytest.approx(sharded["whole"]["losses"], rel=1e-4)
     profile = json.loads((w / "profile.json").read_text())
     assert 0 <= profile["generate"]["outside_forward_share"] < 1
+    compiled = json.loads((w / "bench-compiled" / "results.json").read_text())
+    assert compiled["settings"]["compile_verify"] and compiled["equality"]["mismatches"] == 0
+    assert json.loads((w / "profile-compiled.json").read_text())["compile_verify"]
 
     steps = len((w / "run" / "train_log.jsonl").read_text().splitlines())
     playbook("start", "400")  # a later half hour: finished parts are skipped, training resumes

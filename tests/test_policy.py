@@ -8,6 +8,8 @@ import torch
 from conftest import VOCAB
 from flashdraft import DFlashDraftModel, Target, generate, generate_ar
 from flashdraft.costs import CostModel
+from flashdraft.engine import BatchDecoder
+from flashdraft.kv_cache import bucket
 from flashdraft.measure import measure_costs
 from flashdraft.policy import AcceptanceTable, best_verify_length, expected_tokens
 from flashdraft.proposers import BatchedDFlashProposer, prompt_lookup
@@ -180,6 +182,27 @@ def test_batched_verify_prices_each_shape_as_measured(tiny):
     ]
     assert max(range(4), key=blended.__getitem__) > 0  # one ratio for every shape would still draft
     assert proposer._batch_rate(probs, 0.0, 100, 3)[0] == 0
-    ratios = proposer._verify_ratios(4, 4)
+    ratios = proposer._verify_ratios(4, torch.arange(1, 5))
     assert float(ratios[1] / ratios[0]) == pytest.approx(3.0, rel=0.25)
-    assert proposer._verify_ratios(1, 3).tolist() == [1.0, 1.0, 1.0]  # one row: priced as measured offline
+    assert proposer._verify_ratios(1, torch.arange(1, 4)).tolist() == [
+        1.0,
+        1.0,
+        1.0,
+    ]  # one row: priced as measured offline
+
+
+def test_padded_verifies_are_priced_at_the_length_that_runs(tiny):
+    """With verify buckets, n tokens cost what their bucket costs: a verify of 5 (padded to 8) is priced as 8, so
+    where 4 proposals beat 3 as proposed, the policy takes 3 (4 tokens, a bucket)."""
+    target, draft = tiny
+    costs = cpu_like_costs()
+    proposer = BatchedDFlashProposer(draft, target, costs, lookup=False)
+    probs = [torch.tensor([0.9, 0.9, 0.9, 0.9, 0.02, 0.02, 0.02])]
+    assert proposer._batch_rate(probs, 0.0, 100, 7)[0] == 4
+    decoder = BatchDecoder(target, proposer)
+    assert proposer.padded_lengths is None  # no buckets on the CPU: priced as proposed
+    proposer.padded_lengths = [bucket(n, decoder.block_size, (1, 2, 4, 8)) for n in range(1, 9)]
+    assert proposer.padded_lengths == [1, 2, 4, 4, 8, 8, 8, 8]
+    n, rate = proposer._batch_rate(probs, 0.0, 100, 7)
+    assert n == 3
+    assert rate == pytest.approx(float(expected_tokens(probs[0])[3]) / float(costs.verify_s(4, 100)))

@@ -433,9 +433,13 @@ def test_ddp_two_processes_match_one_process_with_same_global_batch(tmp_path):
         torch.testing.assert_close(ddp_state[name], p, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_padded_micro_batches_train_like_one_forward_per_sequence(tmp_path):
-    """The GPU path (one padded forward per micro-batch) and the per-sequence loop give the same step: sequences of
-    different lengths and anchor counts, one of them with a single valid anchor."""
+def test_padded_micro_batches_train_like_one_forward_per_sequence(tmp_path, monkeypatch):
+    """The GPU path (one padded forward per micro-batch, and the same with the drafter's layers compiled) and the
+    per-sequence loop give the same step: sequences of different lengths and anchor counts, one of them with a
+    single valid anchor."""
+    monkeypatch.setenv(
+        "FLASHDRAFT_COMPILE", '{"backend": "eager"}'
+    )  # dynamo's graphs, eager kernels (no compiler)
     from flashdraft.train import Trainer
 
     model = bigram_target()
@@ -446,19 +450,26 @@ def test_padded_micro_batches_train_like_one_forward_per_sequence(tmp_path):
         ]  # prompt 4 + answer: 6 tokens leave exactly one valid anchor
         data.append({k: v[:keep] for k, v in row.items()})
     results = {}
-    for padded in (False, True):
-        cfg = small_train_config(tmp_path / str(padded), max_steps=3, batch_size=4, padded_batches=padded)
+    for padded, compiled in ((False, False), (True, False), (True, True)):
+        cfg = small_train_config(tmp_path / f"{padded}{compiled}", max_steps=3, batch_size=4, padded_batches=padded,
+                                 compile=compiled)  # fmt: skip
         trainer = Trainer(Target(model), data, cfg)
         logs = trainer.fit()
-        results[padded] = (trainer.draft.state_dict(), logs)
-    (per_seq, logs_a), (padded, logs_b) = results[False], results[True]
-    assert len(logs_a) == len(logs_b) == 3
-    for a, b in zip(logs_a, logs_b, strict=True):
-        assert a["blocks"] == b["blocks"]
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
-        assert a["slot_acc"] == pytest.approx(b["slot_acc"], abs=1e-6)
-    for name, p in per_seq.items():
-        torch.testing.assert_close(padded[name], p, rtol=1e-4, atol=1e-5, msg=name)
+        results[padded, compiled] = (trainer.draft.state_dict(), logs)
+        assert (
+            all(getattr(layer, "_compiled_call_impl", None) is not None for layer in trainer.draft.layers)
+            == compiled
+        )
+    per_seq, logs_a = results[False, False]
+    for state, logs_b in (results[True, False], results[True, True]):
+        assert len(logs_a) == len(logs_b) == 3
+        for a, b in zip(logs_a, logs_b, strict=True):
+            assert a["blocks"] == b["blocks"]
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+            assert a["slot_acc"] == pytest.approx(b["slot_acc"], abs=1e-6)
+            assert b["blocks_per_s"] == pytest.approx(b["blocks"] / b["step_s"]) and b["gpu_util"] is None
+        for name, p in per_seq.items():
+            torch.testing.assert_close(state[name], p, rtol=1e-4, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("layer_types", [["full_attention"], ["sliding_attention"]])

@@ -17,11 +17,14 @@ done and resumes training from its checkpoint. Parts, in the agenda's order:
 
     bench      flashdraft bench: ar, hf, pld, dflash, dflash-fixed on GSM8K, HumanEval, MT-Bench (8 prompts, 256 tokens)
     profile    one decode step: time in model forwards against the whole step (benchmarks/profile_decode.py)
+    compiled   the same bench (ar, pld, dflash, dflash-fixed) and profile with --compile: the static cache's verify as
+               CUDA graphs, beside the eager record
     regenerate more training data (time-boxed, resumable), packed into a durable .npz that comes back
     sharded    a minute of training each with the whole target and with --shard-target at world size 1: step time,
                peak memory, and the memory plan beside them
-    train      the training modes timed briefly, then the faster until the deadline, continuing the shipped drafter
-               on the durable data (data/*/*.npz) and the regenerated set; the learning curve as it goes
+    train      the training modes timed briefly (per sequence, padded, padded with the drafter compiled: s/step,
+               blocks/s and GPU utilisation into train-modes.json), then the fastest until the deadline, continuing
+               the shipped drafter on the durable data (data/*/*.npz) and the regenerated set
     eval       held-out τ of the new drafter and of the shipped one
 
 What comes back (at most 8 files, each under 16 MiB): results.tgz split in 15 MB pieces (bench results, profile,
@@ -189,6 +192,16 @@ def pipeline(deadline: float) -> None:
                     "--json", str(W / "profile.json")], W / "profile.txt", timeout=300)  # fmt: skip
         if code == 0:
             mark("profile")
+    if not done("compiled") and left() > RESERVE_S + 120:
+        bench = run(fd("bench", *common, "--compile", "--draft", DRAFT, "--methods", "ar,pld,dflash,dflash-fixed",
+                       "--dataset", "gsm8k,humaneval,mt-bench", "--max-samples", BENCH["samples"],
+                       "--max-new-tokens", BENCH["tokens"], "--no-plots", "--out", str(W / "bench-compiled")),
+                    W / "bench-compiled.log", timeout=max(60, left() - RESERVE_S))  # fmt: skip
+        profile = run([sys.executable, "benchmarks/profile_decode.py", "--target", TARGET, "--draft", DRAFT,
+                       "--device", DEVICE, "--dtype", DTYPE, "--repeats", "3" if DRY else "15", "--compile",
+                       "--json", str(W / "profile-compiled.json")], W / "profile-compiled.txt", timeout=420)  # fmt: skip
+        if bench == profile == 0:
+            mark("compiled")
     # The durable training sets made with this target (a dry run's small model trains on what it regenerates).
     data = [] if DRY else sorted(str(p) for p in (ROOT / "data").glob("*/*.npz") if TARGET in p.parent.name)
     if not done("regenerate") and left() > RESERVE_S + REGEN["seconds"]:
@@ -246,6 +259,13 @@ def median_step(log_file: Path) -> tuple[float, float | None]:
     return (steps[len(steps) // 2] if steps else float("nan")), (max(peaks) if peaks else None)
 
 
+def median_of(log_file: Path, key: str) -> float | None:
+    """The median of one train-log field over the steps after the first (which compiles); None if absent."""
+    rows = [json.loads(line) for line in log_file.read_text().splitlines()] if log_file.exists() else []
+    values = sorted(r[key] for r in rows[1:] or rows if r.get(key) is not None)
+    return values[len(values) // 2] if values else None
+
+
 def sharded_comparison(data: list[str]) -> None:
     """The sharded path at world size 1 beside today's: same steps, step time and peak memory, and the plan."""
     result = {}
@@ -274,21 +294,26 @@ def train(data: list[str], deadline: float) -> None:
     run_dir = W / "run"
     mode_file = W / "train-mode"
     if not mode_file.exists():
-        timings = {}
-        for mode in ("--per-sequence", "--padded-batches"):
-            probe = W / f"probe{mode}"
+        timings, blocks_per_s, gpu_util = {}, {}, {}
+        for mode in ("--per-sequence", "--padded-batches", "--padded-batches --compile"):
+            probe = W / f"probe{mode.replace(' ', '')}"
             shutil.rmtree(probe, ignore_errors=True)
             run(
-                train_command(data, probe, "--max-steps", str(PROBE_STEPS), mode),
+                train_command(data, probe, "--max-steps", str(PROBE_STEPS), *mode.split()),
                 W / "probe.log",
                 timeout=300,
             )
             timings[mode] = median_step(probe / "train_log.jsonl")[0]
+            blocks_per_s[mode] = median_of(probe / "train_log.jsonl", "blocks_per_s")
+            gpu_util[mode] = median_of(probe / "train_log.jsonl", "gpu_util")
         best = min(timings, key=lambda m: timings[m] if timings[m] == timings[m] else float("inf"))
         mode_file.write_text(best)
         log(f"training modes, median s/step: {timings} -> {best}")
+        (W / "train-modes.json").write_text(json.dumps(
+            {"median_step_s": timings, "median_blocks_per_s": blocks_per_s, "median_gpu_util": gpu_util,
+             "chosen": best}, indent=1))  # fmt: skip
     mode = mode_file.read_text().strip()
-    step_s = median_step(W / f"probe{mode}" / "train_log.jsonl")[0]
+    step_s = median_step(W / f"probe{mode.replace(' ', '')}" / "train_log.jsonl")[0]
     done_steps = (
         len((run_dir / "train_log.jsonl").read_text().splitlines())
         if (run_dir / "train_log.jsonl").exists()
@@ -296,7 +321,7 @@ def train(data: list[str], deadline: float) -> None:
     )
     more = max(2, int((deadline - time.time() - RESERVE_S) * 0.85 / max(step_s, 1e-3)))
     more = min(more, 4) if DRY else more
-    cmd = train_command(data, run_dir, mode, "--max-steps", str(done_steps + more), "--resume",
+    cmd = train_command(data, run_dir, *mode.split(), "--max-steps", str(done_steps + more), "--resume",
                         "--eval-every", str(max(1, (done_steps + more) // 5)), "--eval-samples", "2" if DRY else "8",
                         "--eval-max-new-tokens", "16" if DRY else "64")  # fmt: skip
     code = run(cmd, W / "train.log", timeout=max(60, deadline - time.time() - RESERVE_S / 2))
@@ -309,8 +334,9 @@ def pack() -> None:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     keep = ["pipeline.log", "bench", "bench.log", "profile.txt", "profile.json", "sharded.json", "train.log",
+            "bench-compiled", "bench-compiled.log", "profile-compiled.txt", "profile-compiled.json",
             "probe.log", "eval.log", "eval-new.json", "eval-shipped.json", "gsm8k-t07.npz", "regenerate.log",
-            "train-mode", "done"]  # fmt: skip
+            "train-mode", "train-modes.json", "done"]  # fmt: skip
     run_files = ["train_log.jsonl", "eval_log.jsonl", "config.json", "model.safetensors", "README.md"]
     with tarfile.open(W / "results.tgz", "w:gz") as tar:
         for name in keep:

@@ -15,9 +15,12 @@ is compacted (each row's tokens moved right-aligned, padding on the left) when t
 for sliding-window models, whose window is measured in columns. One row never has holes: its rejected tokens are
 the cache's last columns, which are cropped.
 
-Every KV layer is a `KVBuffer`: a verify writes its columns into room kept at the end (no copy of the whole cache per
-step), a rollback moves the length back. On a GPU the verify length is padded up to a bucket (1, 2, 4, 8, 16, 32, or
-the block), so steps come in a handful of shapes; greedy rows are accepted with one transfer to the host per step.
+Every KV layer is a `KVBuffer` (kv_cache.py): a verify writes its columns in place and a rollback moves a length. On
+a GPU the cache is static (a capacity fixed when rows join, attention over the whole buffer under the engine's mask),
+verify lengths are padded to a few buckets (1, 2, 4, 8, 16, 32, or the block), and the verify can be compiled into
+one CUDA graph per shape (`--compile`). `valid` lives on the host, so a step waits for the device once: greedy rows
+are accepted with one transfer (a drafter's fixed block goes to the verify without a stop; the cost-aware policy
+reads the drafts and their confidences on the host, a second one).
 
 A row that finishes or is cancelled leaves between steps and its cache rows are freed at once. `generate`,
 `generate_ar`, `generate_batch` and the server all run this loop. At temperature 0 each row's output is the target's
@@ -34,6 +37,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .kv_cache import (
+    VERIFY_BUCKETS,
+    batch_cache,
+    bucket,
+    is_sliding,
+    kv_layers,
+    reserve,
+    set_length,
+    static_mask,
+    uses_static_cache,
+    verify_forward,
+)
 from .recurrent import append_rows, has_kv, is_recurrent_layer, select_rows
 from .sampling import (
     ACCEPT_STREAM,
@@ -44,7 +59,7 @@ from .sampling import (
     verify_block_pq,
     verify_greedy_rows,
 )
-from .target import Target
+from .target import Target, TargetOutput
 
 if TYPE_CHECKING:
     from .proposers import BatchProposer
@@ -253,123 +268,6 @@ class BatchRow:
 
 
 # ---------------------------------------------------------------------------------------------------------- decoder
-def _is_sliding(target: Target) -> bool:
-    cfg = target.config
-    types = getattr(cfg, "layer_types", None) or []
-    return bool(getattr(cfg, "sliding_window", None)) and (
-        not types or any("sliding" in str(t) for t in types) or getattr(cfg, "use_sliding_window", True)
-    )
-
-
-def _kv_buffer_class() -> type:
-    """`KVBuffer`: a DynamicLayer whose K/V live in a buffer with room to grow. A verify writes its n columns in place
-    instead of `torch.cat`-ing the whole cache of every layer (a copy of all the context, every step), and a rollback
-    moves the length back. What rebuilds the cache (rows joining or leaving, compaction) assigns whole tensors, which
-    become the buffer. Built on first use: transformers is imported lazily."""
-    global _KV_BUFFER
-    if _KV_BUFFER is not None:
-        return _KV_BUFFER
-    from transformers.cache_utils import DynamicLayer
-
-    class _Columns:
-        """`keys` / `values`: the columns in use of a buffer. Assigning a tensor makes it the buffer, unless it is the
-        buffer cut shorter (a crop), which only moves the length."""
-
-        def __init__(self, buffer: str, length: str) -> None:
-            self.buffer, self.length = buffer, length
-
-        def __get__(self, layer: Any, owner: type) -> torch.Tensor | None:
-            buf = getattr(layer, self.buffer)
-            return None if buf is None else buf[:, :, : getattr(layer, self.length)]
-
-        def __set__(self, layer: Any, value: torch.Tensor | None) -> None:
-            old = getattr(layer, self.buffer)
-            cropped = (
-                old is not None and value is not None and value.dim() == 4 and value.data_ptr() == old.data_ptr()
-                and value.stride() == old.stride() and value.shape[:2] == old.shape[:2]
-                and value.shape[3] == old.shape[3]
-            )  # fmt: skip
-            if not cropped:
-                setattr(layer, self.buffer, value if value is not None and value.dim() == 4 else None)
-            setattr(layer, self.length, value.shape[-2] if getattr(layer, self.buffer) is not None else 0)
-
-    class KVBuffer(DynamicLayer):
-        # Lengths kept apart: the engine assigns keys and values one after the other.
-        keys = _Columns("_k", "_len")
-        values = _Columns("_v", "_vlen")
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            self._k = self._v = None
-            self._len = self._vlen = 0
-            super().__init__(*args, **kwargs)
-
-        def lazy_initialization(self, key_states: torch.Tensor, *args: Any) -> None:
-            self.dtype, self.device = key_states.dtype, key_states.device
-            self._k = self._v = None
-            self._len = self._vlen = 0
-            self.is_initialized = True
-
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            n, length = key_states.shape[-2], self._len
-            need = length + n
-            k, v = self._k, self._v
-            if (
-                k is None
-                or v is None
-                or k.shape[0] != key_states.shape[0]
-                or need > min(k.shape[-2], v.shape[-2])
-            ):
-                room = need + max(64, need // 4)  # amortised: a copy of the cache every ~need/4 columns
-                for name, new in (("_k", key_states), ("_v", value_states)):
-                    buf = new.new_empty(new.shape[0], new.shape[1], room, new.shape[3])
-                    old = getattr(self, name)
-                    if old is not None and length:
-                        buf[:, :, :length] = old[:, :, :length]
-                    setattr(self, name, buf)
-            self._k[:, :, length:need] = key_states
-            self._v[:, :, length:need] = value_states
-            self._len = self._vlen = need
-            return self.keys, self.values
-
-        def get_seq_length(self, *args: Any) -> int:
-            return self._len if self._k is not None else 0
-
-        def crop(self, max_length: int) -> None:
-            """`max_length` < 0: remove that many columns (4.57 and 5.x); >= 0: keep that many (4.57)."""
-            keep = self._len - abs(max_length) if max_length < 0 else max_length
-            self._len = self._vlen = max(0, min(self._len, keep))
-
-    _KV_BUFFER = KVBuffer
-    return KVBuffer
-
-
-_KV_BUFFER: type | None = None
-VERIFY_BUCKETS = (1, 2, 4, 8, 16, 32)
-
-
-def _batch_cache(target: Target) -> Any:
-    """A cache of full-attention layers for every model (sliding windows come from the mask, over columns), beside
-    the recurrent layers of a hybrid target; every KV layer a `KVBuffer`."""
-    from transformers import DynamicCache
-
-    kv_buffer = _kv_buffer_class()
-    if target.recurrent is None:
-        cache = DynamicCache()
-        cache.layer_class_to_replicate = kv_buffer
-        return cache
-    cache = DynamicCache(config=target.model.config)
-    cache.layers = [
-        kv_buffer() if has_kv(layer) and not is_recurrent_layer(layer) else layer for layer in cache.layers
-    ]
-    return cache
-
-
-def _kv_layers(cache: Any) -> list[Any]:
-    return [layer for layer in cache.layers if has_kv(layer)]
-
-
 class BatchDecoder:
     """Rows join (`add`), advance together (`step`) and leave (finished, or `cancel`) between steps."""
 
@@ -388,17 +286,28 @@ class BatchDecoder:
         self.max_batch_size = max_batch_size
         self.rows: list[BatchRow] = []
         self.cache: Any = None
-        self.valid: torch.Tensor | None = None  # [b, C] bool: which cache column holds a token of which row
-        self.sliding = _is_sliding(target)
-        # Verify lengths padded up to a few sizes on a GPU, so a step has one of a handful of shapes (what a captured
-        # graph or a compiled kernel needs); the padding is verified like drafts, so it can only add tokens.
-        self.verify_buckets: tuple[int, ...] | None = VERIFY_BUCKETS if target.device.type == "cuda" else None
+        # [b, C] bool, on the host: which cache column holds a token of which row (every decision on it is taken
+        # without waiting for the device; a verify sends it over as its mask)
+        self.valid: torch.Tensor | None = None
+        self.sliding = is_sliding(target)
+        on_gpu = target.device.type == "cuda"
+        # The static cache (kv_cache.py): on a GPU by default, where the target allows it (`target.static_cache`
+        # forces it either way: the tests run it on the CPU).
+        self.static = uses_static_cache(target)
+        self.verify = verify_forward(target, proposer.tap_layer_ids) if self.static else None
+        # Verify lengths padded up to a few sizes on a GPU and with the static cache, so a step has one of a handful
+        # of shapes (what a captured graph needs); the padding is verified like drafts, so it can only add tokens.
+        self.verify_buckets: tuple[int, ...] | None = VERIFY_BUCKETS if on_gpu or self.static else None
         self.block_size = proposer.max_block_size if block_size is None else block_size
         if not 1 <= self.block_size <= proposer.max_block_size:
             raise GenerationError(
                 f"block_size must be between 1 and the proposer's block size {proposer.max_block_size}, "
                 f"got {self.block_size}"
             )
+        buckets = self.verify_buckets
+        proposer.padded_lengths = (
+            [bucket(n, self.block_size, buckets) for n in range(1, self.block_size + 1)] if buckets else None
+        )
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -430,7 +339,7 @@ class BatchDecoder:
         row = BatchRow(ids, max_new_tokens, sampling, stops, seed, on_tokens, tag=tag)
         _sync(self.target.device)
         t0 = time.perf_counter()
-        cache = _batch_cache(self.target)
+        cache = batch_cache(self.target)
         out = self.target.forward(ids, cache, self.proposer.tap_layer_ids, last_logits_only=True)
         prompt_len = ids.shape[1]
         first = sample_token(out.logits[0, -1], sampling, row.uniforms(prompt_len, 1), prompt_len)
@@ -449,20 +358,23 @@ class BatchDecoder:
         if reason is not None:
             row.finish(reason)
             return row
-        self._merge(cache, prompt_len)
+        self._merge(cache, prompt_len, max_new_tokens)
         self.rows.append(row)
         self.proposer.add(row, out.features)
         return row
 
-    def _merge(self, cache: Any, length: int) -> None:
+    def _merge(self, cache: Any, length: int, new_tokens: int) -> None:
         """Append a prefilled single-row cache: right-aligned, so every row's latest token sits in the last column."""
-        device = self.target.device
         if self.cache is None:
             self.cache = cache
-            self.valid = torch.ones(1, length, dtype=torch.bool, device=device)
+            self.valid = torch.ones(1, length, dtype=torch.bool)
+            if self.static:
+                self._reserve(length, new_tokens)
             return
         width = self.valid.shape[1]
         total = max(width, length)
+        if self.static:
+            self._reserve(total, new_tokens)
         for big, small in zip(self.cache.layers, cache.layers, strict=True):
             if is_recurrent_layer(big):
                 append_rows(big, small)
@@ -474,10 +386,16 @@ class BatchDecoder:
                 merged[:-1, :, total - width :] = a
                 merged[-1, :, total - length :] = s[0]
                 setattr(big, name, merged)
-        valid = torch.zeros(self.valid.shape[0] + 1, total, dtype=torch.bool, device=device)
+        valid = torch.zeros(self.valid.shape[0] + 1, total, dtype=torch.bool)
         valid[:-1, total - width :] = self.valid
         valid[-1, total - length :] = True
         self.valid = valid
+
+    def _reserve(self, columns: int, new_tokens: int) -> None:
+        """Static cache: room for `columns` plus what the rows (and the one joining, `new_tokens`) may still
+        write; the verify grows it further if holes need more."""
+        ahead = max([r.max_new_tokens - len(r.tokens) for r in self.rows] + [new_tokens]) + self.block_size
+        reserve(self.cache, columns + ahead, mark_static=self.verify.compiled)
 
     # -------------------------------------------------------------- leaving
     def cancel(self, row: BatchRow, reason: str = "cancelled") -> None:
@@ -496,12 +414,13 @@ class BatchDecoder:
         if not keep:
             self.cache, self.valid = None, None
             return
-        idx = torch.tensor(keep, dtype=torch.long, device=self.valid.device)
-        self.valid = self.valid[idx]
+        self.valid = self.valid[keep]
         used = self.valid.any(0)  # drop columns no remaining row uses
         cols = used.nonzero().squeeze(1) if not bool(used.all()) else None
         if cols is not None:
             self.valid = self.valid[:, cols]
+            cols = cols.to(self.target.device)
+        idx = torch.tensor(keep, dtype=torch.long, device=self.target.device)
         for layer in self.cache.layers:
             if is_recurrent_layer(layer):
                 select_rows(layer, idx)
@@ -517,21 +436,66 @@ class BatchDecoder:
         counts = self.valid.sum(1)
         width = int(counts.max())
         columns = self.valid.shape[1]
-        aligned = torch.arange(columns, device=self.valid.device)[None] >= columns - counts[:, None]
+        aligned = torch.arange(columns)[None] >= columns - counts[:, None]
         if columns == width and bool((aligned == self.valid).all()):
             return
         if not self.sliding and columns <= int(1.25 * width) + 16:
             return  # holes are cheap until they pile up
         # Per row: padding columns first (any, they stay masked), then its valid columns in order.
-        order = torch.argsort(self.valid.int(), dim=1, stable=True)[:, columns - width :]
-        for layer in _kv_layers(self.cache):
+        order = torch.argsort(self.valid.int(), dim=1, stable=True)[:, columns - width :].to(
+            self.target.device
+        )
+        for layer in kv_layers(self.cache):
             for name in ("keys", "values"):
                 t = getattr(layer, name)
                 idx = order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
                 setattr(layer, name, torch.gather(t, 2, idx))
-        self.valid = torch.arange(width, device=self.valid.device)[None] >= width - counts[:, None]
+        self.valid = torch.arange(width)[None] >= width - counts[:, None]
 
     # -------------------------------------------------------------- one step for every row
+    def _block(self, rows: list[BatchRow], proposals: list[torch.Tensor], n: int) -> torch.Tensor:
+        """[b, n] on the device: each row's anchor, its proposals, then padding (its last proposal again, verified
+        like drafts). Proposals of one length that are on the device already (a drafter's fixed block) stay there."""
+        device = self.target.device
+        anchors = torch.tensor([r.tokens[-1] for r in rows])
+        k = proposals[0].shape[0]
+        if all(p.shape[0] == k and p.device == device for p in proposals):
+            anchors = anchors.to(device)[:, None]
+            drafts = torch.stack(proposals) if k else anchors[:, :0]
+            pad = (drafts[:, -1:] if k else anchors).expand(-1, n - 1 - k)
+            return torch.cat([anchors, drafts, pad], 1)
+        block = torch.empty(len(rows), n, dtype=torch.long)
+        block[:, 0] = anchors
+        for i, p in enumerate(proposals):
+            block[i, 1 : 1 + p.shape[0]] = p
+            block[i, 1 + p.shape[0] :] = p[-1] if p.shape[0] else anchors[i]
+        return block.to(device)
+
+    def forward_block(self, block: torch.Tensor, positions: torch.Tensor) -> TargetOutput:
+        """The target's forward over the block [b, n] after the cache, which then holds the block's columns."""
+        n = block.shape[1]
+        if self.static:
+            columns = self.valid.shape[1]
+            static = reserve(self.cache, columns + n, mark_static=self.verify.compiled)
+            static.columns = torch.arange(columns, columns + n, device=block.device)
+            valid = self.valid.to(block.device, non_blocking=True)
+            mask = static_mask(valid, n, static.capacity, self.target.dtype)
+            logits, features = self.verify(block, positions, mask, self.cache)
+            set_length(self.cache, columns + n)
+            return TargetOutput(logits=logits, features=features)
+        # Without holes every row holds the same C tokens and its block sits at positions C.., the model's own
+        # defaults: no explicit mask (one row always; the causal fast path of SDPA stays available).
+        mask = None
+        if not bool(self.valid.all()):
+            mask = torch.cat([self.valid, self.valid.new_ones(len(self.valid), n)], 1).long().to(block.device)
+        return self.target.forward(
+            block,
+            self.cache,
+            self.proposer.tap_layer_ids,
+            attention_mask=mask,
+            position_ids=None if mask is None else positions,
+        )
+
     @torch.no_grad()
     def step(self) -> list[BatchRow]:
         """Propose, verify and accept once for every row; returns the rows that finished (and left)."""
@@ -548,39 +512,15 @@ class BatchDecoder:
                     f"{type(self.proposer).__name__} proposed {p.shape[0]} tokens, at most {m} allowed"
                 )
         n = 1 + max(p.shape[0] for p in proposals)
-        if (
-            self.verify_buckets
-        ):  # the next bucket, or the decoder's block if that is smaller (a fixed size too)
-            n = min(max(n, self.block_size), next((b for b in self.verify_buckets if b >= n), n))
-        block = torch.empty(len(rows), n, dtype=torch.long)
-        for i, (row, p) in enumerate(zip(rows, proposals, strict=True)):
-            block[i, 0] = row.tokens[-1]
-            block[i, 1 : 1 + p.shape[0]] = p
-            block[i, 1 + p.shape[0] :] = (
-                p[-1] if p.shape[0] else row.tokens[-1]
-            )  # padding, verified like drafts
-        block = block.to(device)
+        if self.verify_buckets:
+            n = bucket(n, self.block_size, self.verify_buckets)
+        block = self._block(rows, proposals, n)
         starts = torch.tensor([r.anchor_position for r in rows], device=device)
         positions = starts[:, None] + torch.arange(n, device=device)
-        # Without holes every row holds the same C tokens and its block sits at positions C.., the model's own
-        # defaults: no explicit mask (one row always; the causal fast path of SDPA stays available).
-        mask = None
-        if not bool(self.valid.all()):
-            mask = torch.cat(
-                [self.valid, torch.ones(len(rows), n, dtype=torch.bool, device=device)], 1
-            ).long()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        out = self.target.forward(
-            block,
-            self.cache,
-            self.proposer.tap_layer_ids,
-            attention_mask=mask,
-            position_ids=None if mask is None else positions,
-        )
+        out = self.forward_block(block, positions)
 
-        kept = torch.zeros(len(rows), n, dtype=torch.bool, device=device)
+        kept = torch.zeros(len(rows), n, dtype=torch.bool)
         finished, features, own_accepted, kept_counts = [], [], [], []
         # Greedy rows: one accept decision for all of them, one transfer to the host.
         greedy = [i for i, r in enumerate(rows) if r.sampling.greedy]
@@ -634,7 +574,8 @@ class BatchDecoder:
         # Recurrent state: each row keeps its anchor + accepted drafts (its KV columns are masked below).
         self.target.keep(self.cache, kept_counts)
         # Verify forward + acceptance bookkeeping: what a step costs besides proposing.
-        self.proposer.timed(len(rows), n, int(starts.float().mean()), time.perf_counter() - t0)
+        context = sum(r.anchor_position for r in rows) // len(rows)
+        self.proposer.timed(len(rows), n, context, time.perf_counter() - t0)
         self.proposer.observe(rows, [p.shape[0] for p in proposals], own_accepted)
         self.proposer.accept(rows, features)
 

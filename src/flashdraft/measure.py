@@ -52,8 +52,14 @@ def cpu_name() -> str:
 
 def cost_key(target: Any, draft: Any) -> dict[str, Any]:
     """What the timings depend on: machine, threads, library versions, model shapes and dtypes."""
+    from .kv_cache import uses_static_cache
+
     device = target.device
+    verify = {}
+    if uses_static_cache(target):  # priced as the engine runs it: static cache, compiled or not
+        verify = {"verify": {"static_cache": True, "compile": repr(target.compile_options)}}
     return {
+        **verify,
         "version": COST_MODEL_VERSION,
         "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
         "threads": torch.get_num_threads(),
@@ -124,19 +130,24 @@ def measure_costs(
     batch_tokens: tuple[int, ...] = BATCH_TOKENS,
 ) -> CostModel:
     """Time the target's verify (with the drafter's layer taps, as in decoding) and the draft pass."""
+    from .kv_cache import VERIFY_BUCKETS, uses_static_cache
     from .proposers import DFlashProposer
 
     target.check_decodable()
     t_start = time.perf_counter()
     block = draft.config.block_size
+    static = uses_static_cache(target)
+    if static:  # the engine pads verifies to buckets there: those lengths are all that run (one graph each)
+        lengths = tuple(sorted({n for n in VERIFY_BUCKETS if n <= block} | {block}))
     lengths = (tuple(n for n in lengths if n <= block) or (1,)) + tuple(n for n in batch_tokens if n > block)
-    contexts = tuple(min(c, max(8, target.max_context - block - 1)) for c in contexts)
+    longest = max(block, *lengths)
+    contexts = tuple(min(c, max(8, target.max_context - longest - 1)) for c in contexts)
     taps = tuple(draft.config.target_layer_ids)
     device = target.device
     gen = torch.Generator().manual_seed(0)
     high = min(target.vocab_size, 5000)
     low = min(10, high - 1)
-    ids = torch.randint(low, high, (1, max(contexts) + block + 1), generator=gen).to(device)
+    ids = torch.randint(low, high, (1, max(contexts) + longest + 1), generator=gen).to(device)
 
     # Which precision runs the draft head (B-1 rows x vocab) faster here: bf16 wins on CPUs with avx512_bf16/AMX
     # and on GPUs, loses badly on CPUs without them. The drafter only proposes, so its precision cannot change
@@ -159,6 +170,7 @@ def measure_costs(
         cache = target.new_cache()
         prefill = target.forward(ids[:, :c], cache, taps)
         times = []
+        static_decoder = _static_decoder(target, draft, ids[:, :c]) if static else None
         for n in lengths:
 
             def verify(n=n, c=c, cache=cache):
@@ -168,7 +180,13 @@ def measure_costs(
                 )  # recurrent state back to the context: the price of the rollback included
                 target.crop(cache, c)
 
-            times.append(median_seconds(verify, repeats))
+            def static_verify(
+                n=n, c=c, decoder=static_decoder
+            ):  # the engine's own forward (compiled, if it is)
+                decoder.forward_block(ids[:, c : c + n], torch.arange(c, c + n, device=device)[None])
+                target.crop(decoder.cache, c)
+
+            times.append(median_seconds(static_verify if static else verify, repeats))
         per_context.append(times)
         proposer.start(prefill.features)
         draft_times.append(
@@ -194,6 +212,17 @@ def measure_costs(
         head_s=head_s,
         measured_s=time.perf_counter() - t_start,
     )
+
+
+def _static_decoder(target: Any, draft: Any, prompt: torch.Tensor) -> Any:
+    """An engine holding `prompt` in its static cache, for timing its verify forward."""
+    from .engine import BatchDecoder
+    from .proposers import BatchedDFlashProposer
+    from .sampling import SamplingParams
+
+    decoder = BatchDecoder(target, BatchedDFlashProposer(draft, target, block_size=draft.config.block_size))
+    decoder.add(prompt, 2, SamplingParams(), stop_token_ids=[], seed=0)
+    return decoder
 
 
 def _measure_draft_rows(

@@ -24,7 +24,6 @@ from __future__ import annotations
 import inspect
 import json
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from torch import nn
 from .config import CONFIG_NAME, SLIDING_ATTENTION, WEIGHTS_NAME, DFlashConfig, DFlashConfigError
 from .dflash2 import CandidateSelector, GroupedDynamicCausalConv
 from .files import atomic_write
+from .kv_cache import DraftContextCache
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -298,21 +298,6 @@ def draft_logits(
 PAD_POSITION = 1 << 30
 
 
-@dataclass
-class DraftContextCache:
-    """Per-layer K/V of the fused target context. Grows only with accepted tokens; holds no block K/V."""
-
-    keys: list[torch.Tensor | None] = field(default_factory=list)
-    values: list[torch.Tensor | None] = field(default_factory=list)
-    positions: torch.Tensor | None = None  # [b, c] absolute positions of the cached context
-    # Batched decoding pads rows to a common length with positions no anchor reaches (PAD_POSITION); attention must
-    # then go through the position mask instead of the one-block fast path.
-    ragged: bool = False
-
-    def __len__(self) -> int:
-        return 0 if self.positions is None else self.positions.shape[1]
-
-
 class DFlashDraftModel(nn.Module):
     """z-lab compatible DFlash drafter. Weights: `layers.N.*`, `fc`, `hidden_norm`, `norm` (no embedding/head);
     DFlash2 adds `layers.N.{attention,mlp}_conv.*` and `candidate_selector.*`."""
@@ -418,12 +403,8 @@ class DFlashDraftModel(nn.Module):
                 ctx_k = x.new_zeros(b, attn.num_kv_heads, 0, attn.head_dim)
                 ctx_v = ctx_k
             if cache is not None:
-                if len(cache.keys) <= i:
-                    cache.keys.append(ctx_k)
-                    cache.values.append(ctx_v)
-                elif context is not None:
-                    cache.keys[i] = torch.cat([cache.keys[i], ctx_k], dim=2)
-                    cache.values[i] = torch.cat([cache.values[i], ctx_v], dim=2)
+                if len(cache.keys) <= i or context is not None:
+                    cache.append(i, ctx_k, ctx_v)
                 ctx_k, ctx_v = cache.keys[i], cache.values[i]
             x = layer(x, cos_q, sin_q, ctx_k, ctx_v, masks[layer.layer_type], q_len // num_blocks)
         return self.norm(x)

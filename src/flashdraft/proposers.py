@@ -230,6 +230,9 @@ class BatchProposer:
     # True: rows that sample (T > 0) get drafts drawn from the drafter's distribution, verified by speculative
     # sampling against `draft_probs` (sampling.verify_block_pq); False: deterministic drafts, seed-exact verification.
     sampled_drafts: bool = False
+    # padded_lengths[n - 1]: the length the engine pads a verify of n tokens to (its bucket; set by the decoder,
+    # None: verified as proposed). The policy prices a verify at the length that really runs.
+    padded_lengths: list[int] | None = None
 
     def draft_probs(self, index: int) -> torch.Tensor | None:
         """[n, V] distributions the last proposal of row `index` was drawn from (None: deterministic, one-hot)."""
@@ -431,7 +434,8 @@ class BatchedDFlashProposer(BatchProposer):
     # -------------------------------------------------------------- the draft pass
     @torch.no_grad()
     def draft_rows(self, rows: list[BatchRow]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(greedy drafts [b, B-1], the drafter's confidence in each) for every row, in one forward."""
+        """(greedy drafts [b, B-1], the drafter's confidence in each) for every row, in one forward; on the device
+        (a fixed block goes to the verify without a stop on the host)."""
         device = self.target.device
         b, block = len(rows), self.max_block_size
         lengths = [0 if p is None else p.shape[0] for p in self.pending]
@@ -487,7 +491,7 @@ class BatchedDFlashProposer(BatchProposer):
                 )
                 tokens[i] = drawn
                 self._drafted_q[i] = q
-        return tokens.cpu(), confidence.cpu()
+        return tokens, confidence
 
     def draft_probs(self, index: int) -> torch.Tensor | None:
         return self._q[index]
@@ -507,9 +511,9 @@ class BatchedDFlashProposer(BatchProposer):
         for p in probs:
             e = expected_tokens(p[:max_n])
             expected += torch.cat([e, e[-1:].expand(max_n + 1 - len(e))])
-        tokens_per_row = torch.arange(1, max_n + 2)
+        tokens_per_row = self._padded(torch.arange(1, max_n + 2))
         step_s = propose_s + self.costs.verify_s(b * tokens_per_row, context) * self._verify_ratios(
-            b, max_n + 1
+            b, tokens_per_row
         )
         rates = expected / step_s
         n = int(torch.argmax(rates))
@@ -529,7 +533,8 @@ class BatchedDFlashProposer(BatchProposer):
 
         context = sum(row.anchor_position for row in rows) // b
         top = max(max_drafts)
-        plain_rate = b / (float(self.costs.verify_s(b, context)) * float(self._verify_ratios(b, 1)[0]))
+        plain = self._padded(torch.ones(1, dtype=torch.long))
+        plain_rate = b / float(self.costs.verify_s(b * plain, context) * self._verify_ratios(b, plain))
         lookups = [self._lookup(row, m) for row, m in zip(rows, max_drafts, strict=True)]
         lookup_probs = [self.calibration.lookup.p(keys) for _, keys in lookups]
         lookup_n, lookup_rate = (
@@ -555,6 +560,7 @@ class BatchedDFlashProposer(BatchProposer):
 
         t0 = time.perf_counter()
         tokens, confidence = self.draft_rows(rows)
+        tokens, confidence = tokens.cpu(), confidence.cpu()  # the policy reads them on the host
         predicted = self.costs.draft_batch_s(b, context)
         if self.online_costs and b > 1:  # the first measurement counts at once, as for the verify
             ratio = (time.perf_counter() - t0) / max(predicted, 1e-9) / self._verify_ratio(b)
@@ -589,6 +595,13 @@ class BatchedDFlashProposer(BatchProposer):
             out.append(toks[:n])
         return out
 
+    def _padded(self, tokens_per_row: torch.Tensor) -> torch.Tensor:
+        """The verify lengths that really run for these proposed ones (their buckets)."""
+        if self.padded_lengths is None:
+            return tokens_per_row
+        table = torch.tensor(self.padded_lengths)
+        return table[(tokens_per_row - 1).clamp(max=len(table) - 1)]
+
     def _verify_ratio(self, rows: int) -> float:
         """Measured / predicted verify time at this many rows (the nearest row count measured so far; 1 for one
         row, the measured shape)."""
@@ -596,15 +609,13 @@ class BatchedDFlashProposer(BatchProposer):
             return 1.0
         return self.verify_ratio[min(self.verify_ratio, key=lambda r: abs(r - rows))]
 
-    def _verify_ratios(self, rows: int, max_tokens_per_row: int) -> torch.Tensor:
-        """[max_tokens_per_row]: measured / predicted verify time of `rows` rows of 1, 2, .. tokens each (the row
-        count's ratio times each shape's own factor, where that shape has been measured)."""
+    def _verify_ratios(self, rows: int, tokens_per_row: torch.Tensor) -> torch.Tensor:
+        """Measured / predicted verify time of `rows` rows of each of these token counts (the row count's ratio
+        times each shape's own factor, where that shape has been measured)."""
         if rows == 1:
-            return torch.ones(max_tokens_per_row)
+            return torch.ones(len(tokens_per_row))
         level = self._verify_ratio(rows)
-        return torch.tensor(
-            [level * self.verify_shape.get((rows, t), 1.0) for t in range(1, max_tokens_per_row + 1)]
-        )
+        return torch.tensor([level * self.verify_shape.get((rows, int(t)), 1.0) for t in tokens_per_row])
 
     def timed(self, rows: int, tokens_per_row: int, context: int, seconds: float) -> None:
         if self.costs is None or not self.online_costs or rows == 1:

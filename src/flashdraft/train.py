@@ -103,6 +103,10 @@ class TrainConfig:
     # The drafter's weights, gradients and AdamW states split over the ranks (FSDP2) instead of replicated (DDP):
     # for drafters whose 16 bytes a parameter do not fit beside the target (memory_plan).
     shard_drafter: bool = False
+    # The drafter's layers compiled (torch.compile, one module at a time; `$FLASHDRAFT_COMPILE` gives its options):
+    # fused kernels and fewer launches where the shapes repeat (padded micro-batches). The device pipeline times it
+    # beside the eager modes and keeps the fastest; same losses either way (tests/test_train.py).
+    compile: bool = False
     progress: bool = True
     extra_meta: dict[str, Any] = field(default_factory=dict)
 
@@ -113,6 +117,17 @@ def _rekey_optimizer(state: dict[str, Any], key: dict[Any, Any]) -> dict[str, An
         "state": {key[k]: v for k, v in state["state"].items()},
         "param_groups": [{**g, "params": [key[k] for k in g["params"]]} for g in state["param_groups"]],
     }
+
+
+def gpu_utilization(device: torch.device) -> int | None:
+    """The GPU's busy share (%) over its last sampling period (NVML, as nvidia-smi reports it); None off a GPU or
+    without NVML."""
+    if device.type != "cuda":
+        return None
+    try:
+        return int(torch.cuda.utilization(device))
+    except Exception:  # no pynvml / amdsmi, or a driver that does not say
+        return None
 
 
 def end_distributed() -> None:
@@ -185,6 +200,14 @@ class Trainer:
                 f"block_size {config.block_size} exceeds the drafter's {draft.config.block_size}"
             )
         self.draft = draft.to(self.device).float().train()
+        if config.compile:
+            from .kv_cache import compile_options
+
+            options = {
+                k: v for k, v in compile_options(self.device).items() if k != "mode"
+            }  # no CUDA graphs:
+            for layer in self.draft.layers:  # shapes change with every micro-batch
+                layer.compile(dynamic=None, **options)
         self.block_size = config.block_size
         self.gamma = config.gamma or default_gamma(self.block_size)
         self.weights = slot_weights(self.block_size, self.gamma)
@@ -408,7 +431,9 @@ class Trainer:
             "acc": float(slot_correct[1:].sum() / slot_count[1:].sum().clamp(min=1)),
             "tokens_per_s": float(stats[1]) / dt * 1.0,
             "blocks": int(stats[2]),
+            "blocks_per_s": float(stats[2]) / dt,
             "step_s": dt,
+            "gpu_util": gpu_utilization(self.device),
             # what the memory plan is checked against on a GPU (None elsewhere)
             "peak_memory_gib": round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
             if self.device.type == "cuda"

@@ -67,6 +67,7 @@ class BenchConfig:
     device: str | None = None
     dtype: str | None = None
     threads: int | None = None
+    compile_verify: bool = False  # every method's verify through the static cache, compiled (CUDA graphs)
     thinking: bool | None = None
     chat: bool = True
     save_outputs: bool = False

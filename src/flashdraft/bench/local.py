@@ -77,12 +77,14 @@ class LocalMethods:
     """Loads the models once and runs any method on a prompt."""
 
     def __init__(self, cfg: BenchConfig) -> None:
+        from ..kv_cache import compile_verify
         from ..model import DFlashDraftModel
         from ..target import load_target
 
         self.cfg = cfg
         self.target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
         self.target.check_decodable()
+        self.compile_note = compile_verify(self.target) if cfg.compile_verify else None
         self.device = self.target.device
         self.stop_ids = self.target.eos_token_ids
         tok = self.target.tokenizer
@@ -281,17 +283,23 @@ def _run_local(cfg: BenchConfig, datasets: list[BenchDataset]) -> dict[str, Any]
     busy = busy_machine_warning(target.device.type, torch.get_num_threads())
     if busy:
         console.print(f"[yellow]warning:[/] {busy}")
+    if runner.compile_note:
+        console.print(f"[yellow]note:[/] {runner.compile_note}")
 
     def encode(messages: list[dict[str, str]], system: str | None) -> torch.Tensor:
         return target.encode_prompt(messages, chat=cfg.chat, enable_thinking=cfg.thinking, system=system)
 
     with torch.inference_mode():
         if cfg.warmup:
-            # First-call overheads (allocator, kernels, lazy init) are paid here by every method, not measured.
+            # First-call overheads (allocator, kernels, lazy init) are paid here by every method, not measured;
+            # a compiled verify takes a whole answer, so most of its graphs (one per verify shape) exist before.
             first = datasets[0].conversations[0]
             ids = encode([{"role": "user", "content": first.user_turns[0]}], first.system)
+            warm_tokens = (
+                cfg.max_new_tokens if target.compile_options is not None else min(cfg.max_new_tokens, 16)
+            )
             for method in cfg.methods:
-                runner.run(method, ids, min(cfg.max_new_tokens, 16), cfg.seed)
+                runner.run(method, ids, warm_tokens, cfg.seed)
 
         total_turns = sum(ds.num_turns for ds in datasets)
         prompt_index = 0
@@ -401,6 +409,8 @@ def _local_results(
         "enable_thinking": cfg.thinking,
         "stop_token_ids": runner.stop_ids,
         "warmup": cfg.warmup,
+        "compile_verify": runner.target.compile_options is not None,
+        "static_cache": bool(runner.target.static_cache),
         "transformers_generation": runner.hf_generation_settings(),
     }
     return {

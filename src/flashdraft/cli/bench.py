@@ -81,6 +81,13 @@ def bench_command(
     device: Annotated[str | None, typer.Option(help="cpu | cuda")] = None,
     dtype: Annotated[str | None, typer.Option(help="float32 | bfloat16 | float16")] = None,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    compile_verify: Annotated[
+        bool,
+        typer.Option(
+            "--compile",
+            help="verify through the static KV cache, compiled (CUDA graphs on a GPU); attention-only targets",
+        ),
+    ] = False,
     thinking: Annotated[
         bool | None,
         typer.Option("--thinking/--no-thinking", help="template thinking mode (default: template's)"),
@@ -130,7 +137,7 @@ def bench_command(
                 target=target, datasets=datasets, methods=parse_methods(methods), draft=draft, assistant=assistant,
                 max_samples=max_samples, max_new_tokens=max_new_tokens, temperature=temperature,
                 block_size=block_size, pld_tokens=pld_tokens, seed=seed, out_dir=out, device=device, dtype=dtype,
-                threads=threads, thinking=thinking, chat=chat, save_outputs=save_outputs, plots=plots,
+                threads=threads, compile_verify=compile_verify, thinking=thinking, chat=chat, save_outputs=save_outputs, plots=plots,
                 command=command,
             )  # fmt: skip
             results = run_bench(cfg)

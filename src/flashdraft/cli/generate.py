@@ -75,11 +75,20 @@ def generate_command(
         typer.Option(help="torch CPU threads (default: torch's; 1 is often faster on a busy machine)"),
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="library load bars and details")] = False,
+    compile_verify: Annotated[
+        bool,
+        typer.Option(
+            "--compile",
+            help="verify through the static KV cache, compiled (CUDA graphs on a GPU); attention-only targets",
+        ),
+    ] = False,
 ) -> None:
     """Generate an answer with DFlash speculative decoding (lossless), streaming the text."""
     import torch
 
     from ..generate import GenerationError, generate, generate_ar
+    from ..kv_cache import compile_options
+    from ..kv_cache import compile_verify as compile_verify_on
     from ..model import DFlashDraftModel, load_drafter_config
     from ..packs import resolve_model
     from ..progress import busy_machine_warning, quiet_libraries
@@ -104,6 +113,8 @@ def generate_command(
         raise GenerationError(f"--threads must be >= 1, got {threads}")
     dev = parse_device(device)
     torch_dtype = parse_dtype(dtype)
+    if compile_verify:
+        compile_options(dev)  # a bad $FLASHDRAFT_COMPILE is named before anything loads
     draft_config = load_drafter_config(draft)
     verify = parse_block_size(block_size, draft_config.block_size)
     target_path = resolve_model(target)  # unknown pack names fail here; a pack is fetched once
@@ -122,6 +133,10 @@ def generate_command(
     t0 = time.perf_counter()
     tgt = load_target(target_path, dtype=torch_dtype, device=dev)
     tgt.name = target
+    if compile_verify:
+        note = compile_verify_on(tgt)
+        if note:
+            console.print(f"[yellow]note:[/] {note}")
     drafter = DFlashDraftModel.from_pretrained(draft, dtype=tgt.dtype, device=tgt.device)
     load_s = time.perf_counter() - t0
     busy = busy_machine_warning(tgt.device.type, torch.get_num_threads())

@@ -192,6 +192,13 @@ def train(
             help="split the drafter's weights, gradients and AdamW states over the ranks (FSDP2) instead of DDP",
         ),
     ] = False,
+    compile_drafter: Annotated[
+        bool,
+        typer.Option(
+            "--compile",
+            help="torch.compile the drafter's layers (GPUs with padded batches; $FLASHDRAFT_COMPILE: its options)",
+        ),
+    ] = False,
     plan: Annotated[
         bool,
         typer.Option(
@@ -339,6 +346,7 @@ def train_command(
     padded_batches: bool = False,
     shard_target: bool = False,
     shard_drafter: bool = False,
+    compile_drafter: bool = False,
     plan: bool = False,
     world_size: int | None = None,
     gpu_memory: float | None = None,
@@ -420,6 +428,7 @@ def train_command(
         bf16=bf16,
         padded_batches=padded_batches,
         shard_drafter=shard_drafter,
+        compile=compile_drafter,
     )
     trainer = Trainer(tgt, dataset, cfg)
     if rank == 0:

@@ -1,0 +1,395 @@
+"""The engine's KV cache, and the verify forward that can be captured as a CUDA graph.
+
+Every KV layer of the engine's cache is a `KVBuffer`, in one of two modes:
+
+    growing  (the default on a CPU) the columns in use of a buffer with room kept at the end: a verify writes its n
+             columns in place instead of `torch.cat`-ing the whole cache of every layer, a rollback moves the length
+    static   (the default on a GPU, attention-only targets) a capacity fixed up front, as gpt-fast's and vLLM's:
+             a verify writes its columns where `StaticColumns.columns` says (a tensor, so the write is the same
+             kernel at every position) and the layer attends over the whole buffer under a [b, 1, n, capacity]
+             mask the engine builds (`static_mask`); the columns past the valid length are stale and masked. So
+             a verify of n tokens by b rows has one shape per (b, n, capacity), and the engine pads n to a few
+             buckets: `VerifyForward` compiles it once per shape (`torch.compile(mode="reduce-overhead")`: captured
+             as a CUDA graph and replayed) and a rollback is a length moved on the host.
+
+The static mode serves attention-only targets without sliding windows; sliding-window and recurrent targets decode
+in the growing mode (their windows and recurrent states are rolled back by the engine, not by a length).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .recurrent import has_kv, is_recurrent_layer
+from .target import TargetError
+
+VERIFY_BUCKETS = (1, 2, 4, 8, 16, 32)
+CAPACITY_STEP = 256  # static capacities are multiples of this: a new capacity is a new graph
+
+
+class StaticColumns:
+    """What the layers of one static cache share: their capacity, and the columns the next forward writes."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.columns: torch.Tensor | None = None  # [n] long, on the device
+        self.mark_static = False  # tag the buffers as fixed addresses (CUDA graphs replay on them)
+
+
+class _Columns:
+    """`keys` / `values`: the columns in use of a buffer. Assigning a tensor makes it the buffer's content (a static
+    layer copies it into its capacity; a growing one takes the tensor as its buffer), unless it is the buffer cut
+    shorter (a crop), which only moves the length."""
+
+    def __init__(self, buffer: str, length: str) -> None:
+        self.buffer, self.length = buffer, length
+
+    def __get__(self, layer: Any, owner: type) -> torch.Tensor | None:
+        buf = getattr(layer, self.buffer)
+        return None if buf is None else buf[:, :, : getattr(layer, self.length)]
+
+    def __set__(self, layer: Any, value: torch.Tensor | None) -> None:
+        old = getattr(layer, self.buffer)
+        if value is None or value.dim() != 4:
+            setattr(layer, self.buffer, None)
+            setattr(layer, self.length, 0)
+            return
+        cropped = (
+            old is not None and value.data_ptr() == old.data_ptr() and value.stride() == old.stride()
+            and value.shape[:2] == old.shape[:2] and value.shape[3] == old.shape[3]
+        )  # fmt: skip
+        if not cropped:
+            static = layer.static
+            if static is None:
+                setattr(layer, self.buffer, value)
+            else:
+                width = value.shape[2]
+                if width > static.capacity:
+                    raise RuntimeError(f"{width} columns do not fit a static cache of {static.capacity}")
+                if old is None or old.shape[:2] != value.shape[:2]:
+                    old = _static_buffer(value, static.capacity, static.mark_static)
+                    setattr(layer, self.buffer, old)
+                old[:, :, :width] = value
+        setattr(layer, self.length, value.shape[-2])
+
+
+def _static_buffer(like: torch.Tensor, capacity: int, mark_static: bool) -> torch.Tensor:
+    buf = like.new_zeros(like.shape[0], like.shape[1], capacity, like.shape[3])
+    if mark_static:
+        torch._dynamo.mark_static_address(buf)
+    return buf
+
+
+def kv_buffer_class() -> type:
+    """`KVBuffer`, a transformers `DynamicLayer` (built on first use: transformers is imported lazily)."""
+    global _KV_BUFFER
+    if _KV_BUFFER is not None:
+        return _KV_BUFFER
+    from transformers.cache_utils import DynamicLayer
+
+    class KVBuffer(DynamicLayer):
+        # Lengths kept apart: the engine assigns keys and values one after the other.
+        keys = _Columns("_k", "_len")
+        values = _Columns("_v", "_vlen")
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self._k = self._v = None
+            self._len = self._vlen = 0
+            self.static: StaticColumns | None = None
+            super().__init__(*args, **kwargs)
+
+        def lazy_initialization(self, key_states: torch.Tensor, *args: Any) -> None:
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self._k = self._v = None
+            self._len = self._vlen = 0
+            self.is_initialized = True
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+            if self.static is not None:
+                # Tensors only (no Python length): the same graph serves every position. The engine moves the
+                # length after the forward.
+                self._k.index_copy_(2, self.static.columns, key_states)
+                self._v.index_copy_(2, self.static.columns, value_states)
+                return self._k, self._v
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            n, length = key_states.shape[-2], self._len
+            need = length + n
+            k, v = self._k, self._v
+            if (
+                k is None
+                or v is None
+                or k.shape[0] != key_states.shape[0]
+                or need > min(k.shape[-2], v.shape[-2])
+            ):
+                room = need + max(64, need // 4)  # amortised: a copy of the cache every ~need/4 columns
+                for name, new in (("_k", key_states), ("_v", value_states)):
+                    buf = new.new_empty(new.shape[0], new.shape[1], room, new.shape[3])
+                    old = getattr(self, name)
+                    if old is not None and length:
+                        buf[:, :, :length] = old[:, :, :length]
+                    setattr(self, name, buf)
+            self._k[:, :, length:need] = key_states
+            self._v[:, :, length:need] = value_states
+            self._len = self._vlen = need
+            return self.keys, self.values
+
+        def get_seq_length(self, *args: Any) -> int:
+            return self._len if self._k is not None else 0
+
+        def crop(self, max_length: int) -> None:
+            """`max_length` < 0: remove that many columns (4.57 and 5.x); >= 0: keep that many (4.57)."""
+            keep = self._len - abs(max_length) if max_length < 0 else max_length
+            self._len = self._vlen = max(0, min(self._len, keep))
+
+        def make_static(self, static: StaticColumns) -> None:
+            """Static mode (or a larger capacity): the columns in use move into buffers of `static.capacity`."""
+            keys, values = self.keys, self.values
+            self.static = static
+            for name, t in (("_k", keys), ("_v", values)):
+                buf = _static_buffer(t, static.capacity, static.mark_static)
+                buf[:, :, : t.shape[2]] = t
+                setattr(self, name, buf)
+
+    _KV_BUFFER = KVBuffer
+    return KVBuffer
+
+
+_KV_BUFFER: type | None = None
+
+
+@dataclass
+class DraftContextCache:
+    """The drafter's per-layer K/V of the fused target context. Grows only with accepted tokens (into room kept at
+    the end of a buffer, as `KVBuffer`); holds no block K/V."""
+
+    keys: list[torch.Tensor | None] = field(default_factory=list)
+    values: list[torch.Tensor | None] = field(default_factory=list)
+    positions: torch.Tensor | None = None  # [b, c] absolute positions of the cached context
+    # Batched decoding pads rows to a common length with positions no anchor reaches (PAD_POSITION); attention must
+    # then go through the position mask instead of the one-block fast path.
+    ragged: bool = False
+    # Per layer: the buffers keys[i] / values[i] are the first columns of (a tensor assigned from outside, as rows
+    # joining or leaving do, starts a new one).
+    _room: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    def __len__(self) -> int:
+        return 0 if self.positions is None else self.positions.shape[1]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Layer `layer`'s context grows by k / v [b, heads, n, d]: written in place, no copy of what is cached
+        (but once every ~quarter of its length, when the room runs out)."""
+        if len(self.keys) <= layer:
+            self.keys.append(k)
+            self.values.append(v)
+            return
+        old_k, old_v = self.keys[layer], self.values[layer]
+        cached, need = old_k.shape[2], old_k.shape[2] + k.shape[2]
+        room = self._room.get(layer)
+        if room is None or not all(
+            buf.shape[2] >= need and buf.data_ptr() == old.data_ptr() and buf.stride() == old.stride()
+            and buf.shape[:2] == old.shape[:2]
+            for buf, old in zip(room, (old_k, old_v), strict=True)
+        ):  # fmt: skip
+            size = need + max(64, need // 4)
+            room = tuple(old.new_empty(*old.shape[:2], size, old.shape[3]) for old in (old_k, old_v))
+            for buf, old in zip(room, (old_k, old_v), strict=True):
+                buf[:, :, :cached] = old
+            self._room[layer] = room
+        room[0][:, :, cached:need] = k
+        room[1][:, :, cached:need] = v
+        self.keys[layer], self.values[layer] = room[0][:, :, :need], room[1][:, :, :need]
+
+
+def batch_cache(target: Any) -> Any:
+    """A cache of full-attention layers for every model (sliding windows come from the mask, over columns), beside
+    the recurrent layers of a hybrid target; every KV layer a growing `KVBuffer`."""
+    from transformers import DynamicCache
+
+    kv_buffer = kv_buffer_class()
+    if target.recurrent is None:
+        cache = DynamicCache()
+        cache.layer_class_to_replicate = kv_buffer
+        return cache
+    cache = DynamicCache(config=target.model.config)
+    cache.layers = [
+        kv_buffer() if has_kv(layer) and not is_recurrent_layer(layer) else layer for layer in cache.layers
+    ]
+    return cache
+
+
+def kv_layers(cache: Any) -> list[Any]:
+    return [layer for layer in cache.layers if has_kv(layer)]
+
+
+def is_sliding(target: Any) -> bool:
+    cfg = target.config
+    types = getattr(cfg, "layer_types", None) or []
+    return bool(getattr(cfg, "sliding_window", None)) and (
+        not types or any("sliding" in str(t) for t in types) or getattr(cfg, "use_sliding_window", True)
+    )
+
+
+def static_capable(target: Any) -> bool:
+    """Whether the static mode serves this target: attention only, no sliding window."""
+    return target.recurrent is None and not is_sliding(target)
+
+
+def uses_static_cache(target: Any) -> bool:
+    """Whether the engine verifies on `target` through the static cache: `target.static_cache`, by default on a GPU,
+    where the target allows it."""
+    wanted = target.device.type == "cuda" if target.static_cache is None else target.static_cache
+    return bool(wanted) and static_capable(target)
+
+
+def compile_verify(target: Any) -> str | None:
+    """Have the engine verify on `target` through the static cache, compiled: CUDA graphs on a GPU
+    (`mode="reduce-overhead"`), inductor's kernels on a CPU. Returns a one-line note when the target cannot take it
+    (it then decodes eagerly, as exactly)."""
+    if not static_capable(target):
+        kind = "recurrent layers" if target.recurrent is not None else "sliding-window attention"
+        return f"--compile: {target.name} has {kind}, which the static cache does not serve; decoding eagerly"
+    target.static_cache = True
+    target.compile_options = compile_options(target.device)
+    return None
+
+
+def compile_options(device: torch.device) -> dict[str, Any]:
+    """torch.compile's keywords for the verify: `$FLASHDRAFT_COMPILE` (a JSON object, e.g. {"backend": "cudagraphs"}
+    to capture graphs without inductor's code generation), else CUDA graphs of inductor's kernels on a GPU and
+    inductor's defaults on a CPU."""
+    import json
+    import os
+
+    env = os.environ.get("FLASHDRAFT_COMPILE")
+    if env:
+        try:
+            options = json.loads(env)
+        except ValueError:
+            options = None
+        if not isinstance(options, dict):
+            raise TargetError(
+                f"FLASHDRAFT_COMPILE must be a JSON object of torch.compile options, got {env!r}"
+            )
+        return options
+    return {"mode": "reduce-overhead"} if device.type == "cuda" else {}
+
+
+def reserve(cache: Any, columns: int, mark_static: bool = False) -> StaticColumns:
+    """Make `cache` static with room for at least `columns` columns (its capacity rounded up to CAPACITY_STEP;
+    growing it copies the columns in use, once)."""
+    layers = kv_layers(cache)
+    static = layers[0].static
+    if static is not None and static.capacity >= columns:
+        return static
+    capacity = -(-max(columns, int(1.25 * columns)) // CAPACITY_STEP) * CAPACITY_STEP
+    static = StaticColumns(capacity)
+    static.mark_static = mark_static
+    for layer in layers:
+        layer.make_static(static)
+    return static
+
+
+def set_length(cache: Any, length: int) -> None:
+    """After a static forward: the layers hold `length` columns."""
+    for layer in kv_layers(cache):
+        layer._len = layer._vlen = length
+
+
+def static_mask(valid: torch.Tensor, n: int, capacity: int, dtype: torch.dtype) -> torch.Tensor:
+    """[b, 1, n, capacity] additive mask of a verify of n tokens per row after the C = valid.shape[1] columns
+    cached: query i of row r sees the cached columns valid for r and the block's columns C..C+i; the stale columns
+    past them are hidden."""
+    b, cached = valid.shape
+    device = valid.device
+    cols = torch.arange(capacity, device=device)
+    sees = torch.zeros(b, n, capacity, dtype=torch.bool, device=device)
+    sees[:, :, :cached] = valid[:, None, :]
+    sees |= ((cols >= cached) & (cols <= cached + torch.arange(n, device=device)[:, None]))[None]
+    mask = torch.zeros(b, 1, n, capacity, dtype=dtype, device=device)
+    return mask.masked_fill_(~sees[:, None], torch.finfo(dtype).min)
+
+
+def bucket(n: int, block_size: int, buckets: Sequence[int]) -> int:
+    """The verify length n is padded to: the next bucket, or the decoder's block if that is smaller (a fixed size
+    too)."""
+    return min(max(n, block_size), next((b for b in buckets if b >= n), n))
+
+
+class VerifyForward:
+    """The target's verify over a static cache, with its layer taps: (logits [b, n, V] fp32, taps [b, n, F]).
+    Compiled with `compile_options` (torch.compile's keywords), one graph per shape; on a GPU
+    `{"mode": "reduce-overhead"}` captures each as a CUDA graph. The taps are hooks registered once (hooks added and
+    removed per call would make every call a new graph)."""
+
+    def __init__(self, target: Any, tap_layer_ids: Sequence[int], compile_options: dict | None) -> None:
+        self.target = target
+        self.taps = tuple(tap_layer_ids)
+        self.compiled = compile_options is not None
+        self._captured: dict[int, torch.Tensor] = {}
+        for layer_id in dict.fromkeys(self.taps):
+            target.layers[layer_id].register_forward_hook(self._hook(layer_id))
+        fn = self._forward
+        if self.compiled:
+            _raise_recompile_limit()
+            fn = torch.compile(fn, fullgraph=True, **compile_options)
+        self._fn = fn
+
+    def _hook(self, layer_id: int):
+        def hook(_module, _args, output):
+            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def _forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        t = self.target
+        kwargs = {t._cache_arg or "past_key_values": cache, "use_cache": True, "attention_mask": mask}
+        if t._takes_positions:
+            kwargs["position_ids"] = position_ids
+        logits = t.model(input_ids=input_ids, **kwargs).logits.float()
+        taps = t._concat_taps(self._captured, self.taps) if self.taps else None
+        return logits, taps
+
+    @torch.no_grad()
+    def __call__(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.compiled:
+            return self._forward(input_ids, position_ids, mask, cache)
+        try:  # fresh inputs: a graph is kept per stride and storage offset too, not only per shape
+            logits, taps = self._fn(input_ids.clone(), position_ids.clone(), mask, cache)
+        except (
+            Exception
+        ) as e:  # a graph break (fullgraph), no compiler for inductor, ...: one line, not a trace
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise TargetError(
+                f"--compile: torch.compile could not compile {self.target.name}'s verify ({type(e).__name__}: "
+                f"{first}); decode without --compile"
+            ) from None
+        # A replayed graph writes its outputs into the same memory next time: keep copies.
+        return logits.clone(), None if taps is None else taps.clone()
+
+
+def verify_forward(target: Any, tap_layer_ids: Sequence[int]) -> VerifyForward:
+    """The target's `VerifyForward` for these taps, made once per target (a compiled one keeps its graphs)."""
+    key = (tuple(tap_layer_ids), repr(target.compile_options))
+    forwards = target.__dict__.setdefault("_verify_forwards", {})
+    if key not in forwards:
+        forwards[key] = VerifyForward(target, tap_layer_ids, target.compile_options)
+    return forwards[key]
+
+
+def _raise_recompile_limit() -> None:
+    """One graph per (rows, bucket, capacity): more than dynamo's default of 8 for a batch that changes size."""
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), 256))
+    if hasattr(config, "accumulated_recompile_limit"):
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 1024)

@@ -1,0 +1,164 @@
+"""The GPU fast path, run on the CPU: the static KV cache (capacity fixed up front, rollback by a length, attention
+over the whole buffer under the engine's mask) and its verify compiled whole (fullgraph: what CUDA-graph capture
+needs) give every row exactly what plain decoding gives it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import VOCAB, OracleProposer, hybrid_model
+from flashdraft import DFlashDraftModel, Target, generate_ar
+from flashdraft.engine import BatchDecoder
+from flashdraft.generate import generate, run
+from flashdraft.kv_cache import CAPACITY_STEP, VERIFY_BUCKETS, compile_verify, kv_layers, static_mask
+from flashdraft.measure import measure_costs
+from flashdraft.proposers import PerRowProposers
+from flashdraft.sampling import SamplingParams
+
+STATIC_ARCHS = ["llama", "qwen3", "mistral"]  # attention-only, no sliding window
+EAGER_GRAPH = {"backend": "eager"}  # dynamo traces the whole verify (fullgraph), the kernels stay eager
+
+
+def prompts_and_limits(seed: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 30))] for _ in range(5)]
+    return prompts, [33, 9, 41, 2, 25]
+
+
+def decode_rows(target, model, prompts, limits, temperature, record=None):
+    """Rows joining and leaving a batch of 3, an oracle proposer accepting a random prefix of each block; returns
+    (results, plain decoding's results) and the decoder."""
+    plain = Target(model)  # growing cache, eager: the reference
+    alone = [generate_ar(plain, p, m, temperature=temperature, seed=7 + i, stop_token_ids=[])
+             for i, (p, m) in enumerate(zip(prompts, limits, strict=True))]  # fmt: skip
+    references = iter([p + a.new_tokens + [0] * 20 for p, a in zip(prompts, alone, strict=True)])
+    rng = random.Random(5)
+    decoder = BatchDecoder(
+        target, PerRowProposers(lambda: OracleProposer(next(references), VOCAB, 7, rng)), 3
+    )
+    if record is not None:
+        forward = decoder.forward_block
+
+        def recorded(block, positions):
+            record.append((tuple(block.shape), kv_layers(decoder.cache)[0].static.capacity))
+            return forward(block, positions)
+
+        decoder.forward_block = recorded
+    got = run(
+        decoder, prompts, limits, SamplingParams(temperature=temperature), [], [7 + i for i in range(5)]
+    )
+    return got, alone, decoder
+
+
+@pytest.mark.parametrize("arch", STATIC_ARCHS)
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_static_cache_decodes_what_plain_decoding_gives(models, arch, temperature):
+    target = Target(models[arch])
+    target.static_cache = True
+    shapes = []
+    got, alone, decoder = decode_rows(target, models[arch], *prompts_and_limits(11), temperature, shapes)
+    assert decoder.static
+    for g, a in zip(got, alone, strict=True):
+        assert g.new_tokens == a.new_tokens
+    assert {n for (_, n), _ in shapes} <= {*VERIFY_BUCKETS, 7}  # padded to buckets (or the block)
+    assert all(capacity % CAPACITY_STEP == 0 for _, capacity in shapes)
+
+
+def test_one_row_keeps_its_buffers_and_moves_a_length(models):
+    """A request alone: its capacity is fixed when it joins (prompt + max_new_tokens + block); every verify writes
+    into the same buffers and a rollback only moves the length."""
+    target = Target(models["llama"])
+    target.static_cache = True
+    prompt = list(range(3, 40))
+    reference = generate_ar(Target(models["llama"]), prompt, 60, stop_token_ids=[]).new_tokens
+    decoder = BatchDecoder(
+        target,
+        PerRowProposers(lambda: OracleProposer(prompt + reference + [0] * 20, VOCAB, 7, random.Random(2))),
+    )
+    row = decoder.add(prompt, 60, SamplingParams(), stop_token_ids=[], seed=0)
+    layer = kv_layers(decoder.cache)[0]
+    buffers, capacity = (layer._k.data_ptr(), layer._v.data_ptr()), layer.static.capacity
+    assert capacity >= len(prompt) + 60 + 7
+    while not row.done:
+        decoder.step()
+        if not row.done:
+            assert (layer._k.data_ptr(), layer._v.data_ptr()) == buffers
+            assert layer.get_seq_length() == len(prompt) + len(row.tokens) - 1  # the anchor is not cached yet
+    assert layer.static.capacity == capacity
+    assert row.tokens == reference
+
+
+def test_static_mask_sees_valid_columns_and_the_block_causally():
+    valid = torch.tensor([[True, False, True], [False, True, True]])
+    mask = static_mask(valid, 2, 8, torch.float32)
+    sees = (mask == 0)[:, 0]
+    assert sees.shape == (2, 2, 8)
+    assert sees[0].tolist() == [[True, False, True, True, False, False, False, False],
+                                [True, False, True, True, True, False, False, False]]  # fmt: skip
+    assert sees[1, 1].tolist() == [False, True, True, True, True, False, False, False]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_compiled_verify_is_a_few_whole_graphs(models, temperature):
+    """The verify compiled with fullgraph=True (any graph break fails): the tokens of plain decoding, over batches of
+    many sizes, lengths and positions, from a handful of graphs (a size seen to change becomes symbolic; a position
+    is never part of a graph), so the graphs a GPU captures are made once and replayed at any position."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    target = Target(models["qwen3"])
+    target.static_cache, target.compile_options = True, EAGER_GRAPH
+    before = counters["stats"]["unique_graphs"]
+    shapes = []
+    for seed in (3, 4, 5):
+        prompts, limits = prompts_and_limits(seed)
+        got, alone, decoder = decode_rows(target, models["qwen3"], prompts, limits, temperature, shapes)
+        for g, a in zip(got, alone, strict=True):
+            assert g.new_tokens == a.new_tokens
+    graphs = counters["stats"]["unique_graphs"] - before
+    assert 1 <= graphs <= 8 and len(shapes) >= 30, (graphs, len(shapes))  # each step at its own positions
+
+
+def test_dflash_generate_is_the_same_compiled(models):
+    """The real drafter path (the cost-aware policy and its measured prices) through the compiled static verify."""
+    model = models["llama"]
+    draft = DFlashDraftModel.for_target(
+        model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1
+    ).eval()
+    prompt = list(range(5, 30))
+    reference = generate(Target(model), draft, prompt, max_new_tokens=40, stop_token_ids=[])
+    target = Target(model)
+    assert compile_verify(target) is None and target.compile_options == {}  # on a CPU: inductor's default
+    target.compile_options = EAGER_GRAPH
+    for block_size in ("auto", 8):
+        out = generate(target, draft, prompt, max_new_tokens=40, stop_token_ids=[], block_size=block_size)
+        assert out.new_tokens == reference.new_tokens
+
+
+def test_static_verify_prices_the_bucket_lengths(models):
+    model = models["llama"]
+    draft = DFlashDraftModel.for_target(
+        model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1
+    ).eval()
+    target = Target(model)
+    target.static_cache = True
+    costs = measure_costs(target, draft, repeats=1, contexts=(16, 48), batch_tokens=())
+    assert costs.lengths == [1, 2, 4, 8]
+    assert all(t > 0 for t in costs.verify_base)
+
+
+@pytest.mark.parametrize("make", [lambda m: m["gemma3"], lambda m: hybrid_model("qwen3_next")])
+def test_targets_the_static_cache_cannot_serve_decode_as_before(models, make):
+    """Sliding windows and recurrent layers are rolled back by the growing path: the static cache is not used on
+    them, even when asked, and --compile says so in one line."""
+    target = Target(make(models))
+    if target.unsupported_reason:  # recurrent targets decode on transformers 5.x only
+        pytest.skip(target.unsupported_reason)
+    target.static_cache = True
+    decoder = BatchDecoder(target, PerRowProposers(lambda: OracleProposer([], VOCAB, 4, random.Random(0))))
+    assert not decoder.static and decoder.verify is None
+    note = compile_verify(target)
+    assert note is not None and "decoding eagerly" in note and "\n" not in note
