@@ -22,7 +22,7 @@ import torch
 
 from flashdraft import DFlashDraftModel, DFlashProposer, Target, generate, load_target
 from flashdraft.kv_cache import VerifyForward, compile_verify
-from flashdraft.measure import median_seconds
+from flashdraft.measure import median_seconds, static_decoder
 
 
 def main() -> None:
@@ -66,6 +66,7 @@ def main() -> None:
         figures["gpu"] = torch.cuda.get_device_name(target.device)
     cache = target.new_cache()
     prefill = target.forward(ids, cache, draft.config.target_layer_ids)
+    decoder = static_decoder(target, draft, ids) if args.compile else None
 
     def plain_step():
         target.forward(ids[:, :1], cache)
@@ -87,6 +88,13 @@ def main() -> None:
             proposer.draft_logits(5, args.context, block - 1)
 
         def verify_pass(block=block):
+            if decoder is not None:  # compiled: the engine's own verify over its static cache
+                decoder.forward_block(
+                    ids[:, :block],
+                    torch.arange(args.context, args.context + block, device=target.device)[None],
+                )
+                target.crop(decoder.cache, args.context)
+                return
             target.forward(ids[:, :block], cache, draft.config.target_layer_ids)
             target.crop(cache, args.context)
 

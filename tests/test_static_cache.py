@@ -162,3 +162,40 @@ def test_targets_the_static_cache_cannot_serve_decode_as_before(models, make):
     assert not decoder.static and decoder.verify is None
     note = compile_verify(target)
     assert note is not None and "decoding eagerly" in note and "\n" not in note
+
+
+def test_a_server_decodes_through_the_compiled_verify(models):
+    """`serve --compile`: the engine's worker thread runs the compiled static verify, and concurrent requests (one
+    batch) get what `generate` gives each alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastapi.testclient import TestClient
+
+    from flashdraft.serve import Engine, build_app
+    from test_serve import MODEL, tiny_tokenizer
+
+    model = models["llama"]
+    draft = DFlashDraftModel.for_target(model.config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1).eval()
+    reference = Target(model, tiny_tokenizer(), name=MODEL)
+    target = Target(model, tiny_tokenizer(), name=MODEL)
+    target.static_cache, target.compile_options = True, EAGER_GRAPH
+    engine = Engine(target, draft, max_queue=8, block_size=4)
+    prompts = [[{"role": "user", "content": " ".join(f"w{3 + (i * 7 + j) % 80}" for j in range(4 + 3 * i))}]
+               for i in range(3)]  # fmt: skip
+    try:
+        with TestClient(build_app(engine, MODEL)) as client:
+
+            def ask(messages):
+                body = {"model": MODEL, "messages": messages, "max_tokens": 20, "temperature": 0}
+                r = client.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["message"]["content"]
+
+            with ThreadPoolExecutor(3) as pool:
+                answers = list(pool.map(ask, prompts))
+    finally:
+        engine.close()
+    for messages, answer in zip(prompts, answers, strict=True):
+        ids = reference.encode_prompt(messages)
+        want = generate(reference, draft, ids, 20, block_size=4).new_tokens
+        assert answer == reference.tokenizer.decode(want, skip_special_tokens=True)

@@ -7,10 +7,11 @@ Every KV layer of the engine's cache is a `KVBuffer`, in one of two modes:
     static   (the default on a GPU, attention-only targets) a capacity fixed up front, as gpt-fast's and vLLM's:
              a verify writes its columns where `StaticColumns.columns` says (a tensor, so the write is the same
              kernel at every position) and the layer attends over the whole buffer under a [b, 1, n, capacity]
-             mask the engine builds (`static_mask`); the columns past the valid length are stale and masked. So
-             a verify of n tokens by b rows has one shape per (b, n, capacity), and the engine pads n to a few
-             buckets: `VerifyForward` compiles it once per shape (`torch.compile(mode="reduce-overhead")`: captured
-             as a CUDA graph and replayed) and a rollback is a length moved on the host.
+             mask the engine builds (`static_mask`); the columns past the valid length are stale and masked. A
+             verify of n tokens by b rows has one shape per (b, n, capacity), the engine pads n to a few buckets,
+             and no position enters the graph: `VerifyForward` compiles it (`torch.compile(mode="reduce-overhead")`
+             on a GPU: a CUDA graph recorded per shape and replayed; a size seen to change is made symbolic, so a
+             handful of compiles serve them all), and a rollback is a length moved on the host.
 
 The static mode serves attention-only targets without sliding windows; sliding-window and recurrent targets decode
 in the growing mode (their windows and recurrent states are rolled back by the engine, not by a length).
@@ -28,7 +29,7 @@ from .recurrent import has_kv, is_recurrent_layer
 from .target import TargetError
 
 VERIFY_BUCKETS = (1, 2, 4, 8, 16, 32)
-CAPACITY_STEP = 256  # static capacities are multiples of this: a new capacity is a new graph
+CAPACITY_STEP = 256  # static capacities are multiples of this (a new capacity is a new CUDA graph)
 
 
 class StaticColumns:
@@ -322,8 +323,8 @@ def bucket(n: int, block_size: int, buckets: Sequence[int]) -> int:
 
 class VerifyForward:
     """The target's verify over a static cache, with its layer taps: (logits [b, n, V] fp32, taps [b, n, F]).
-    Compiled with `compile_options` (torch.compile's keywords), one graph per shape; on a GPU
-    `{"mode": "reduce-overhead"}` captures each as a CUDA graph. The taps are hooks registered once (hooks added and
+    Compiled whole (fullgraph) with `compile_options` (torch.compile's keywords); on a GPU
+    `{"mode": "reduce-overhead"}` records a CUDA graph per shape. The taps are hooks registered once (hooks added and
     removed per call would make every call a new graph)."""
 
     def __init__(self, target: Any, tap_layer_ids: Sequence[int], compile_options: dict | None) -> None:
@@ -372,6 +373,7 @@ class VerifyForward:
                 f"--compile: torch.compile could not compile {self.target.name}'s verify ({type(e).__name__}: "
                 f"{first}); decode without --compile"
             ) from None
+        self._captured.clear()  # the graph's own memory: not held past the call
         # A replayed graph writes its outputs into the same memory next time: keep copies.
         return logits.clone(), None if taps is None else taps.clone()
 

@@ -170,7 +170,7 @@ def measure_costs(
         cache = target.new_cache()
         prefill = target.forward(ids[:, :c], cache, taps)
         times = []
-        static_decoder = _static_decoder(target, draft, ids[:, :c]) if static else None
+        engine = static_decoder(target, draft, ids[:, :c]) if static else None
         for n in lengths:
 
             def verify(n=n, c=c, cache=cache):
@@ -180,9 +180,7 @@ def measure_costs(
                 )  # recurrent state back to the context: the price of the rollback included
                 target.crop(cache, c)
 
-            def static_verify(
-                n=n, c=c, decoder=static_decoder
-            ):  # the engine's own forward (compiled, if it is)
+            def static_verify(n=n, c=c, decoder=engine):  # the engine's own forward (compiled, if it is)
                 decoder.forward_block(ids[:, c : c + n], torch.arange(c, c + n, device=device)[None])
                 target.crop(decoder.cache, c)
 
@@ -214,7 +212,7 @@ def measure_costs(
     )
 
 
-def _static_decoder(target: Any, draft: Any, prompt: torch.Tensor) -> Any:
+def static_decoder(target: Any, draft: Any, prompt: torch.Tensor) -> Any:
     """An engine holding `prompt` in its static cache, for timing its verify forward."""
     from .engine import BatchDecoder
     from .proposers import BatchedDFlashProposer

@@ -409,12 +409,11 @@ class BatchedDFlashProposer(BatchProposer):
         c = self.cache
         if c.positions is None:
             return
-        real = c.positions != PAD_POSITION
-        counts = real.sum(1)
-        width = int(counts.max()) if len(counts) else 0
+        width = max(self.absorbed, default=0)  # the real columns of each row, counted on the host
         if c.positions.shape[1] <= 2 * width + 32:
             return
         # Stable order: real columns first, in their order, then padding.
+        real = c.positions != PAD_POSITION
         order = torch.argsort((~real).int(), dim=1, stable=True)[:, :width]
         c.positions = torch.gather(c.positions, 1, order)
         idx = order[:, None, :, None]
@@ -440,6 +439,9 @@ class BatchedDFlashProposer(BatchProposer):
         b, block = len(rows), self.max_block_size
         lengths = [0 if p is None else p.shape[0] for p in self.pending]
         width = max(lengths)
+        c = self.cache
+        # Padding in the cache (rows hold fewer real columns than it has), counted on the host: no wait on the device.
+        padded = c.positions is not None and min(self.absorbed) < c.positions.shape[1]
         features, context_positions = None, None
         if width:
             feat_dim = next(p for p in self.pending if p is not None).shape[-1]
@@ -464,8 +466,7 @@ class BatchedDFlashProposer(BatchProposer):
         starts = torch.tensor([row.anchor_position for row in rows], device=device)
         block_positions = starts[:, None] + torch.arange(block, device=device)
         # One row with no padding left in its cache is the one-block fast path (no mask); padding needs the mask.
-        c = self.cache
-        c.ragged = b > 1 or (c.positions is not None and bool((c.positions == PAD_POSITION).any()))
+        c.ragged = b > 1 or padded
         hidden = self.draft(
             self.single.block_inputs(block_ids),
             block_positions,
