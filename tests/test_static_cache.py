@@ -175,7 +175,9 @@ def test_a_server_decodes_through_the_compiled_verify(models):
     from test_serve import MODEL, tiny_tokenizer
 
     model = models["llama"]
-    draft = DFlashDraftModel.for_target(model.config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1).eval()
+    draft = DFlashDraftModel.for_target(
+        model.config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1
+    ).eval()
     reference = Target(model, tiny_tokenizer(), name=MODEL)
     target = Target(model, tiny_tokenizer(), name=MODEL)
     target.static_cache, target.compile_options = True, EAGER_GRAPH
