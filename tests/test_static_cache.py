@@ -12,7 +12,7 @@ import torch
 from conftest import VOCAB, OracleProposer, hybrid_model
 from flashdraft import DFlashDraftModel, Target, generate_ar
 from flashdraft.engine import BatchDecoder
-from flashdraft.generate import generate, run
+from flashdraft.generate import generate, generate_batch, run
 from flashdraft.kv_cache import CAPACITY_STEP, VERIFY_BUCKETS, compile_verify, kv_layers, static_mask
 from flashdraft.measure import measure_costs
 from flashdraft.proposers import PerRowProposers
@@ -122,6 +122,33 @@ def test_compiled_verify_is_a_few_whole_graphs(models, temperature):
     assert 1 <= graphs <= 8 and len(shapes) >= 30, (graphs, len(shapes))  # each step at its own positions
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize(("temperature", "kind"), [(0.0, "v1"), (0.8, "v1"), (0.0, "dflash2")])
+def test_a_drafter_beside_the_static_cache_decodes_rows_as_plain_decoding(
+    models, compiled, temperature, kind
+):
+    """The drafter's static context (capacity-wide buffers, padding past the used columns) and its compiled block
+    pass (v1, and DFlash2's convolutions), with rows of different lengths joining and leaving a batch of 3."""
+    from test_dflash2 import dflash2_drafter
+
+    model = models["qwen3"]
+    if kind == "v1":
+        draft = DFlashDraftModel.for_target(model.config, num_layers=2, block_size=8, mask_token_id=VOCAB - 1)
+    else:
+        draft = dflash2_drafter(model, block_size=8)
+    draft.eval()
+    prompts, limits = prompts_and_limits(7)
+    plain = Target(model)
+    want = [generate_ar(plain, p, m, temperature=temperature, seed=i, stop_token_ids=[]).new_tokens
+            for i, (p, m) in enumerate(zip(prompts, limits, strict=True))]  # fmt: skip
+    target = Target(model)
+    target.static_cache, target.compile_options = True, EAGER_GRAPH if compiled else None
+    got = generate_batch(target, draft, prompts, limits, temperature=temperature, stop_token_ids=[], block_size=8,
+                         seed=list(range(5)), max_batch_size=3)  # fmt: skip
+    assert [g.new_tokens for g in got] == want
+    assert bool(draft.__dict__.get("_flashdraft_block_passes")) == compiled  # the block pass ran compiled
+
+
 def test_dflash_generate_is_the_same_compiled(models):
     """The real drafter path (the cost-aware policy and its measured prices) through the compiled static verify."""
     model = models["llama"]
@@ -201,3 +228,45 @@ def test_a_server_decodes_through_the_compiled_verify(models):
         ids = reference.encode_prompt(messages)
         want = generate(reference, draft, ids, 20, block_size=4).new_tokens
         assert answer == reference.tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_the_static_draft_context_holds_what_a_growing_one_holds():
+    """Rows joining and leaving, growth past the capacity, compaction: the static context's used columns are the
+    growing one's, and every column past them is padding the mask hides."""
+    from flashdraft.kv_cache import PAD_POSITION, DraftContextCache
+
+    torch.manual_seed(0)
+    growing, static = DraftContextCache(ragged=True), DraftContextCache(ragged=True, capacity=CAPACITY_STEP)
+
+    def absorb(n, rows, start):
+        positions = torch.arange(start, start + n).repeat(rows, 1)
+        kvs = [(torch.randn(rows, 2, n, 4), torch.randn(rows, 2, n, 4)) for _ in range(2)]
+        for cache in (growing, static):
+            for layer, (k, v) in enumerate(kvs):
+                cache.append(layer, k, v, positions if layer == 0 else None)
+
+    def same():
+        n = len(growing)
+        assert len(static) == n and static.positions.shape[1] == static.capacity >= n
+        assert torch.equal(static.positions[:, :n], growing.positions)
+        assert bool((static.positions[:, n:] == PAD_POSITION).all())
+        for a, b in zip(growing.keys + growing.values, static.keys + static.values, strict=True):
+            assert b.shape[2] == static.capacity and torch.equal(b[:, :, :n], a)
+
+    absorb(5, 1, 0)
+    same()
+    for cache in (growing, static):
+        cache.add_row()
+    absorb(300, 2, 5)  # past the capacity: it grows, in CAPACITY_STEP multiples
+    same()
+    assert static.capacity % CAPACITY_STEP == 0 and static.capacity > CAPACITY_STEP
+    for cache in (growing, static):
+        cache.select_rows([1])
+        cache.add_row()
+    absorb(3, 2, 305)
+    same()
+    order = torch.stack([torch.arange(300, 308), torch.arange(8)])
+    for cache in (growing, static):
+        cache.keep_columns(order)
+    same()
+    assert len(static) == 8

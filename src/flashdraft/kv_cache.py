@@ -15,6 +15,11 @@ Every KV layer of the engine's cache is a `KVBuffer`, in one of two modes:
 
 The static mode serves attention-only targets without sliding windows; sliding-window and recurrent targets decode
 in the growing mode (their windows and recurrent states are rolled back by the engine, not by a length).
+
+The drafter's `DraftContextCache` follows the target: static beside a static target cache (capacity-wide buffers, the
+columns past those in use padding that the mask rule hides), so its block pass (`DFlashDraftModel.block_pass`) has
+one shape per (rows, capacity) and is compiled with the verify (`draft_block_pass`); the accepted context is written
+into it eagerly before (its length changes every step).
 """
 
 from __future__ import annotations
@@ -163,10 +168,18 @@ def kv_buffer_class() -> type:
 _KV_BUFFER: type | None = None
 
 
+# The position of padding in a batched context: later than any anchor, so the mask rule (context < anchor) hides it.
+PAD_POSITION = 1 << 30
+
+
 @dataclass
 class DraftContextCache:
-    """The drafter's per-layer K/V of the fused target context. Grows only with accepted tokens (into room kept at
-    the end of a buffer, as `KVBuffer`); holds no block K/V."""
+    """The drafter's per-layer K/V of the fused target context. Grows only with accepted tokens; holds no block K/V.
+
+    Growing (`capacity` None): the columns in use, grown into room kept at the end of a buffer (as `KVBuffer`).
+    Static (`capacity`, beside a static target cache): buffers of `capacity` columns whose positions past `length`
+    are PAD_POSITION (hidden by the mask rule), so the block pass over them has one shape per (rows, capacity) and
+    can be compiled; the new context is written in eagerly before it."""
 
     keys: list[torch.Tensor | None] = field(default_factory=list)
     values: list[torch.Tensor | None] = field(default_factory=list)
@@ -174,16 +187,34 @@ class DraftContextCache:
     # Batched decoding pads rows to a common length with positions no anchor reaches (PAD_POSITION); attention must
     # then go through the position mask instead of the one-block fast path.
     ragged: bool = False
-    # Per layer: the buffers keys[i] / values[i] are the first columns of (a tensor assigned from outside, as rows
-    # joining or leaving do, starts a new one).
+    capacity: int | None = None
+    length: int = 0  # static: the columns in use
+    mark_static: bool = False  # static buffers tagged as fixed addresses (CUDA graphs replay on them)
+    # Growing: per layer, the buffers keys[i] / values[i] are the first columns of (a tensor assigned from outside,
+    # as rows joining or leaving do, starts a new one).
     _room: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    _start: int = 0  # static: where the context being written goes
 
     def __len__(self) -> int:
+        if self.capacity is not None:
+            return self.length
         return 0 if self.positions is None else self.positions.shape[1]
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Layer `layer`'s context grows by k / v [b, heads, n, d]: written in place, no copy of what is cached
-        (but once every ~quarter of its length, when the room runs out)."""
+    @property
+    def needs_mask(self) -> bool:
+        return self.ragged or self.capacity is not None
+
+    def append(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> None:
+        """Layer `layer`'s context grows by k / v [b, heads, n, d] (layer 0 brings their `positions` [b, n]):
+        written in place, no copy of what is cached (but once every ~quarter of its length, when room runs out)."""
+        if self.capacity is not None:
+            return self._append_static(layer, k, v, positions)
+        if positions is not None:
+            self.positions = (
+                positions if self.positions is None else torch.cat([self.positions, positions], 1)
+            )
         if len(self.keys) <= layer:
             self.keys.append(k)
             self.values.append(v)
@@ -204,6 +235,80 @@ class DraftContextCache:
         room[0][:, :, cached:need] = k
         room[1][:, :, cached:need] = v
         self.keys[layer], self.values[layer] = room[0][:, :, :need], room[1][:, :, :need]
+
+    def _append_static(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None
+    ) -> None:
+        n = k.shape[2]
+        if positions is not None:  # layer 0: room for the new columns, and their positions
+            self._start = self.length
+            self._grow(self._start + n, positions)
+            self.positions[:, self._start : self._start + n] = positions
+            self.length = self._start + n
+        elif self.positions is None:
+            self._grow(n, torch.empty(k.shape[0], 0, dtype=torch.long, device=k.device))
+        if len(self.keys) <= layer:
+            for name, t in (("keys", k), ("values", v)):
+                getattr(self, name).append(self._buffer(t, self.capacity))
+        self.keys[layer][:, :, self._start : self._start + n] = k
+        self.values[layer][:, :, self._start : self._start + n] = v
+
+    def _grow(self, columns: int, like: torch.Tensor) -> None:
+        if self.positions is not None and columns <= self.capacity:
+            return
+        if columns > self.capacity:
+            self.capacity = -(-int(1.25 * columns) // CAPACITY_STEP) * CAPACITY_STEP
+        old = self.positions
+        self.positions = torch.full(
+            (like.shape[0], self.capacity), PAD_POSITION, dtype=torch.long, device=like.device
+        )
+        if old is not None:
+            self.positions[:, : self.length] = old[:, : self.length]
+        for store in (self.keys, self.values):
+            for i, t in enumerate(store):
+                store[i] = self._buffer(t[:, :, : self.length], self.capacity)
+
+    def _buffer(self, t: torch.Tensor, capacity: int) -> torch.Tensor:
+        buf = t.new_zeros(*t.shape[:2], capacity, t.shape[3])
+        buf[:, :, : t.shape[2]] = t
+        return self._tag(buf)
+
+    def add_row(self) -> None:
+        """A row joins holding nothing yet: all padding."""
+        if self.positions is None:
+            return
+        self.positions = torch.cat([self.positions, torch.full_like(self.positions[:1], PAD_POSITION)])
+        for store in (self.keys, self.values):
+            for i, t in enumerate(store):
+                store[i] = self._tag(torch.cat([t, torch.zeros_like(t[:1])]))
+
+    def select_rows(self, index: list[int]) -> None:
+        """Only these rows stay, in this order."""
+        if self.positions is None:
+            return
+        idx = torch.tensor(index, dtype=torch.long, device=self.positions.device)
+        self.positions = self.positions[idx]
+        for store in (self.keys, self.values):
+            for i, t in enumerate(store):
+                store[i] = self._tag(t[idx])
+
+    def _tag(self, buf: torch.Tensor) -> torch.Tensor:
+        if self.mark_static and self.capacity is not None:
+            torch._dynamo.mark_static_address(buf)
+        return buf
+
+    def keep_columns(self, order: torch.Tensor) -> None:
+        """Keep, per row, the columns `order` [b, w] lists (in that order): compaction."""
+        self.positions = torch.gather(self.positions, 1, order)
+        idx = order[:, None, :, None]
+        for store in (self.keys, self.values):
+            for i, t in enumerate(store):
+                store[i] = torch.gather(t, 2, idx.expand(-1, t.shape[1], -1, t.shape[3]))
+        if self.capacity is not None:  # back to full width, the rest padding
+            self.length = order.shape[1]
+            positions, self.positions = self.positions, None
+            self._grow(self.length, positions)
+            self.positions[:, : self.length] = positions
 
 
 def batch_cache(target: Any) -> Any:
@@ -336,7 +441,6 @@ class VerifyForward:
             target.layers[layer_id].register_forward_hook(self._hook(layer_id))
         fn = self._forward
         if self.compiled:
-            _raise_recompile_limit()
             fn = torch.compile(fn, fullgraph=True, **compile_options)
         self._fn = fn
 
@@ -363,6 +467,8 @@ class VerifyForward:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.compiled:
             return self._forward(input_ids, position_ids, mask, cache)
+        self._captured.clear()  # the hooks also fire in eager forwards (prefill): the graph always starts empty
+        _raise_recompile_limit()
         try:  # fresh inputs: a graph is kept per stride and storage offset too, not only per shape
             logits, taps = self._fn(input_ids.clone(), position_ids.clone(), mask, cache)
         except (
@@ -379,16 +485,44 @@ class VerifyForward:
 
 
 def verify_forward(target: Any, tap_layer_ids: Sequence[int]) -> VerifyForward:
-    """The target's `VerifyForward` for these taps, made once per target (a compiled one keeps its graphs)."""
+    """The `VerifyForward` for these taps, made once per model (its hooks are registered once; a compiled one keeps
+    its graphs), whichever `Target` wraps the model."""
     key = (tuple(tap_layer_ids), repr(target.compile_options))
-    forwards = target.__dict__.setdefault("_verify_forwards", {})
+    forwards = target.model.__dict__.setdefault("_flashdraft_verify_forwards", {})
     if key not in forwards:
         forwards[key] = VerifyForward(target, tap_layer_ids, target.compile_options)
     return forwards[key]
 
 
+def draft_block_pass(draft: Any, target: Any) -> Any:
+    """The drafter's block pass compiled as the target's verify is (`target.compile_options`; None: eager), made
+    once per drafter and target. Its output is copied: a replayed graph writes into the same memory next time."""
+    if target.compile_options is None:
+        return None
+    passes = draft.__dict__.setdefault("_flashdraft_block_passes", {})
+    key = repr(target.compile_options)
+    if key in passes:
+        return passes[key]
+    compiled = torch.compile(draft.block_pass, fullgraph=True, **target.compile_options)
+
+    def run(*args: Any) -> torch.Tensor:
+        _raise_recompile_limit()
+        try:
+            return compiled(*args).clone()
+        except Exception as e:  # as the verify: one line, not a trace
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise TargetError(
+                f"--compile: torch.compile could not compile the drafter's block pass ({type(e).__name__}: "
+                f"{first}); decode without --compile"
+            ) from None
+
+    passes[key] = run
+    return run
+
+
 def _raise_recompile_limit() -> None:
-    """One graph per (rows, bucket, capacity): more than dynamo's default of 8 for a batch that changes size."""
+    """Room for the graphs a batch that changes size needs (dynamo's default is 8 per function). Set in the thread
+    that compiles: dynamo's settings are per thread (the server decodes in its own)."""
     config = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(config, name):

@@ -34,7 +34,7 @@ from torch import nn
 from .config import CONFIG_NAME, SLIDING_ATTENTION, WEIGHTS_NAME, DFlashConfig, DFlashConfigError
 from .dflash2 import CandidateSelector, GroupedDynamicCausalConv
 from .files import atomic_write
-from .kv_cache import DraftContextCache
+from .kv_cache import PAD_POSITION, DraftContextCache  # noqa: F401 - PAD_POSITION: this module's name for it
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -294,10 +294,6 @@ def draft_logits(
     return torch.tanh(logits / cap) * cap if cap else logits
 
 
-# The position of padding in a batched context: later than any anchor, so the mask rule (context < anchor) hides it.
-PAD_POSITION = 1 << 30
-
-
 class DFlashDraftModel(nn.Module):
     """z-lab compatible DFlash drafter. Weights: `layers.N.*`, `fc`, `hidden_norm`, `norm` (no embedding/head);
     DFlash2 adds `layers.N.{attention,mlp}_conv.*` and `candidate_selector.*`."""
@@ -356,6 +352,7 @@ class DFlashDraftModel(nn.Module):
         context_positions: torch.Tensor | None = None,
         cache: DraftContextCache | None = None,
         num_blocks: int = 1,
+        block_pass: Any = None,
     ) -> torch.Tensor:
         """Draft hidden states (after the final norm) for the block queries.
 
@@ -364,6 +361,7 @@ class DFlashDraftModel(nn.Module):
         target_features:   [b, c, T*H] new context features (raw concatenated taps), or None
         context_positions: [b, c] their absolute positions
         cache:             if given, the new context K/V are appended to it and all cached context is attended
+        block_pass:        decoding: `self.block_pass` compiled (None: eager)
         """
         b, q_len, _ = block_embeds.shape
         if q_len % num_blocks:
@@ -377,36 +375,38 @@ class DFlashDraftModel(nn.Module):
                 raise ValueError("context_positions are required with target_features")
             context = self.fuse(target_features.to(dtype))
             cos_c, sin_c = self.rotary_emb(context_positions, dtype)
-        if cache is not None and context is not None:
-            cache.positions = (
-                context_positions
-                if cache.positions is None
-                else torch.cat([cache.positions, context_positions], 1)
-            )
-        all_context_positions = cache.positions if cache is not None else context_positions
-        if all_context_positions is None:
-            all_context_positions = block_positions.new_zeros(b, 0)
-        # Decoding (one block over a cache of fixed tokens) needs no mask: all of its context precedes the anchor.
-        # Anything else, a single training block over a whole sequence included, gets the masked rule.
+        if cache is not None:  # decoding: the new context into the cache (eager), then the block pass over it
+            for i, layer in enumerate(self.layers):
+                if context is not None or len(cache.keys) <= i:
+                    attn = layer.self_attn
+                    kv = attn.project_kv(context, cos_c, sin_c) if context is not None else (
+                        x.new_zeros(b, attn.num_kv_heads, 0, attn.head_dim),) * 2  # fmt: skip
+                    cache.append(i, *kv, context_positions if i == 0 and context is not None else None)
+            # One block over a cache of fixed tokens needs no mask (all of its context precedes the anchor) unless
+            # rows are padded; anything else, a single training block over a whole sequence included, is masked.
+            cached = cache.positions if cache.positions is not None else block_positions.new_zeros(b, 0)
+            masks = self._attention_masks(block_positions, cached, num_blocks, not cache.needs_mask)
+            run = block_pass or self.block_pass
+            return run(x, cos_q, sin_q, cache.keys, cache.values, masks, q_len // num_blocks)
         masks = self._attention_masks(
             block_positions,
-            all_context_positions,
+            block_positions.new_zeros(b, 0) if context is None else context_positions,
             num_blocks,
-            context_before_anchor=cache is not None and not cache.ragged,
         )
-
-        for i, layer in enumerate(self.layers):
+        for layer in self.layers:
             attn = layer.self_attn
             if context is not None:
                 ctx_k, ctx_v = attn.project_kv(context, cos_c, sin_c)
             else:
-                ctx_k = x.new_zeros(b, attn.num_kv_heads, 0, attn.head_dim)
-                ctx_v = ctx_k
-            if cache is not None:
-                if len(cache.keys) <= i or context is not None:
-                    cache.append(i, ctx_k, ctx_v)
-                ctx_k, ctx_v = cache.keys[i], cache.values[i]
+                ctx_k = ctx_v = x.new_zeros(b, attn.num_kv_heads, 0, attn.head_dim)
             x = layer(x, cos_q, sin_q, ctx_k, ctx_v, masks[layer.layer_type], q_len // num_blocks)
+        return self.norm(x)
+
+    def block_pass(self, x, cos, sin, keys, values, masks, block_len: int) -> torch.Tensor:
+        """The layers over the block queries given every layer's cached context K/V: fixed shapes over a static
+        cache, so it can be compiled whole (the proposer passes its compiled copy to `forward`)."""
+        for layer, k, v in zip(self.layers, keys, values, strict=True):
+            x = layer(x, cos, sin, k, v, masks[layer.layer_type], block_len)
         return self.norm(x)
 
     def propose_tokens(

@@ -38,6 +38,7 @@ import torch
 
 from .costs import CostModel
 from .engine import GenerationError
+from .kv_cache import CAPACITY_STEP, draft_block_pass, uses_static_cache
 from .model import PAD_POSITION, DFlashDraftModel, DraftContextCache, block_inputs, draft_logits
 from .policy import AcceptanceTable, confidence_keys, confidence_table, expected_tokens
 from .sampling import DRAFT_STREAM, position_uniforms
@@ -350,7 +351,10 @@ class BatchedDFlashProposer(BatchProposer):
         self.max_block_size = single.max_block_size
         self.mask_token_id = single.mask_token_id
         self.calibration = _CALIBRATIONS.setdefault(draft, _Calibration())
-        self.cache = DraftContextCache(ragged=True)
+        # Beside a static target cache the draft context is static too, and its block pass compiled with the verify.
+        self.static = uses_static_cache(target)
+        self.block_pass = draft_block_pass(self.draft, target) if self.static else None
+        self.cache = self._new_cache()
         self.absorbed: list[int] = []  # context tokens of each row already in the draft cache
         self.pending: list[torch.Tensor | None] = []  # [k, F] features not yet projected, per row
         self.counts: list[dict[str, int]] = []
@@ -375,15 +379,18 @@ class BatchedDFlashProposer(BatchProposer):
         self.verify_shape: dict[tuple[int, int], float] = {}  # by (rows, tokens per row), over verify_ratio
         self.draft_ratio: float | None = None  # (measured / predicted draft) / verify ratio, EMA
 
+    def _new_cache(self) -> DraftContextCache:
+        return DraftContextCache(
+            ragged=True,
+            capacity=CAPACITY_STEP if self.static else None,
+            mark_static=self.block_pass is not None,
+        )
+
     # -------------------------------------------------------------- rows
     def add(self, row: BatchRow, features: torch.Tensor | None) -> None:
         if features is None:
             raise GenerationError("the DFlash proposer needs target features from prefill")
-        c = self.cache
-        if c.positions is not None:  # the new row holds nothing in the draft cache yet: all padding
-            c.positions = torch.cat([c.positions, torch.full_like(c.positions[:1], PAD_POSITION)])
-            c.keys = [torch.cat([k, torch.zeros_like(k[:1])]) for k in c.keys]
-            c.values = [torch.cat([v, torch.zeros_like(v[:1])]) for v in c.values]
+        self.cache.add_row()  # it holds nothing in the draft cache yet: all padding
         self.absorbed.append(0)
         self.pending.append(features[0])
         self.counts.append({"dflash": 0, "lookup": 0, "plain": 0})
@@ -391,14 +398,9 @@ class BatchedDFlashProposer(BatchProposer):
         self._q.append(None)
 
     def remove(self, keep: list[int]) -> None:
-        c = self.cache
-        if c.positions is not None:
-            idx = torch.tensor(keep, dtype=torch.long, device=c.positions.device)
-            c.positions = c.positions[idx]
-            c.keys = [k[idx] for k in c.keys]
-            c.values = [v[idx] for v in c.values]
-            if not keep:
-                self.cache = DraftContextCache(ragged=True)
+        self.cache.select_rows(keep)
+        if not keep:
+            self.cache = self._new_cache()
         for name in ("absorbed", "pending", "counts", "_last", "_q"):
             old = getattr(self, name)
             setattr(self, name, [old[i] for i in keep])
@@ -410,15 +412,11 @@ class BatchedDFlashProposer(BatchProposer):
         if c.positions is None:
             return
         width = max(self.absorbed, default=0)  # the real columns of each row, counted on the host
-        if c.positions.shape[1] <= 2 * width + 32:
+        if len(c) <= 2 * width + 32:
             return
         # Stable order: real columns first, in their order, then padding.
-        real = c.positions != PAD_POSITION
-        order = torch.argsort((~real).int(), dim=1, stable=True)[:, :width]
-        c.positions = torch.gather(c.positions, 1, order)
-        idx = order[:, None, :, None]
-        c.keys = [torch.gather(k, 2, idx.expand(-1, k.shape[1], -1, k.shape[3])) for k in c.keys]
-        c.values = [torch.gather(v, 2, idx.expand(-1, v.shape[1], -1, v.shape[3])) for v in c.values]
+        real = c.positions[:, : len(c)] != PAD_POSITION
+        c.keep_columns(torch.argsort((~real).int(), dim=1, stable=True)[:, :width])
 
     def accept(self, rows: list[BatchRow], features: list[torch.Tensor | None]) -> None:
         for i, f in enumerate(features):
@@ -441,7 +439,7 @@ class BatchedDFlashProposer(BatchProposer):
         width = max(lengths)
         c = self.cache
         # Padding in the cache (rows hold fewer real columns than it has), counted on the host: no wait on the device.
-        padded = c.positions is not None and min(self.absorbed) < c.positions.shape[1]
+        padded = c.positions is not None and min(self.absorbed) < len(c)
         features, context_positions = None, None
         if width:
             feat_dim = next(p for p in self.pending if p is not None).shape[-1]
@@ -473,6 +471,7 @@ class BatchedDFlashProposer(BatchProposer):
             target_features=features,
             context_positions=context_positions,
             cache=self.cache,
+            block_pass=self.block_pass,
         )
         self.pending = [None] * b
         self._compact()

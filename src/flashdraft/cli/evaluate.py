@@ -74,8 +74,8 @@ def eval_command(
     tgt = load_target(target_path, dtype=torch_dtype, device=dev)
     tgt.name = target
     drafter = DFlashDraftModel.from_pretrained(draft, dtype=tgt.dtype, device=tgt.device)
-    torch.set_grad_enabled(False)
-    results = evaluate_tau(tgt, drafter, names, samples, max_new_tokens, block_size=block_size)
+    with torch.no_grad():  # not set_grad_enabled: a command run in-process leaves its caller's mode alone
+        results = evaluate_tau(tgt, drafter, names, samples, max_new_tokens, block_size=block_size)
     verify = block_size or drafter.block_size
     for name, r in results.items():
         out.print(f"τ {name}: {r['tau']:.2f} over {r['prompts']} prompts ({r['tokens_per_s']:.1f} tok/s)")

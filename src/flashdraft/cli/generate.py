@@ -153,7 +153,6 @@ def generate_command(
     if draft_sampling not in ("match", "pq"):
         raise typer.BadParameter(f"--draft-sampling must be match or pq, not {draft_sampling!r}")
     kwargs = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    torch.set_grad_enabled(False)
     costs = None
     if verify == "auto":
         from ..measure import load_or_measure_costs
