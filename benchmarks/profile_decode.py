@@ -54,6 +54,9 @@ def main() -> None:
         if note:
             raise SystemExit(note)
     draft = DFlashDraftModel.from_pretrained(args.draft, dtype=target.dtype, device=target.device)
+    blocks = [int(b) for b in args.block_sizes.split(",")]
+    # Room for the longest verify after the context (a small model's window may be shorter than --context).
+    args.context = max(1, min(args.context, target.max_context - max(blocks) - 2))
     ids = torch.randint(10, min(1000, target.vocab_size), (1, args.context), device=target.device)
     figures: dict = {
         "device": str(target.device),
@@ -79,7 +82,7 @@ def main() -> None:
     print(
         f"{'B':>3} {'draft ms':>9} {'verify ms':>10} {'rollback ms':>12} {'step/plain':>11} {'break-even τ':>13}"
     )
-    for block in (int(b) for b in args.block_sizes.split(",")):
+    for block in blocks:
         proposer = DFlashProposer(draft, target, dtype=getattr(torch, args.draft_dtype))
         proposer.start(prefill.features)
         proposer.draft_logits(5, args.context, block - 1)  # absorb the prompt context once

@@ -270,3 +270,31 @@ def test_the_static_draft_context_holds_what_a_growing_one_holds():
         cache.keep_columns(order)
     same()
     assert len(static) == 8
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU (the device playbook's first call runs it)"
+)
+@pytest.mark.parametrize("block_size", [8, "auto"])
+def test_cuda_graphs_decode_what_the_eager_gpu_path_decodes(models, block_size):
+    """On a GPU: --compile (the static caches, CUDA graphs of the verify and of the block pass) against the growing
+    cache, eager, on the same device: the same tokens, a batch and a single request."""
+    import copy
+
+    model = copy.deepcopy(models["llama"]).cuda()
+    draft = DFlashDraftModel.for_target(model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1)
+    draft = draft.cuda().eval()
+    prompts, limits = prompts_and_limits(9)
+    eager = Target(model)
+    eager.static_cache = False
+    want = generate_batch(
+        eager, draft, prompts, limits, stop_token_ids=[], block_size=block_size, max_batch_size=3
+    )
+    target = Target(model)
+    assert compile_verify(target) is None and target.compile_options == {"mode": "reduce-overhead"}
+    for _ in range(2):  # the second run replays the graphs the first recorded
+        got = generate_batch(target, draft, prompts, limits, stop_token_ids=[], block_size=block_size,
+                             max_batch_size=3)  # fmt: skip
+        assert [g.new_tokens for g in got] == [w.new_tokens for w in want]
+    one = generate(target, draft, prompts[0], max_new_tokens=30, stop_token_ids=[], block_size=block_size)
+    assert one.new_tokens == want[0].new_tokens[:30]
