@@ -24,6 +24,7 @@ into it eagerly before (its length changes every step).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -454,10 +455,7 @@ class VerifyForward:
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: Any
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         t = self.target
-        kwargs = {t._cache_arg or "past_key_values": cache, "use_cache": True, "attention_mask": mask}
-        if t._takes_positions:
-            kwargs["position_ids"] = position_ids
-        logits = t.model(input_ids=input_ids, **kwargs).logits.float()
+        logits = t.model(input_ids=input_ids, **t.model_kwargs(cache, mask, position_ids)).logits.float()
         taps = t._concat_taps(self._captured, self.taps) if self.taps else None
         return logits, taps
 
@@ -468,17 +466,10 @@ class VerifyForward:
         if not self.compiled:
             return self._forward(input_ids, position_ids, mask, cache)
         self._captured.clear()  # the hooks also fire in eager forwards (prefill): the graph always starts empty
-        _raise_recompile_limit()
-        try:  # fresh inputs: a graph is kept per stride and storage offset too, not only per shape
-            logits, taps = self._fn(input_ids.clone(), position_ids.clone(), mask, cache)
-        except (
-            Exception
-        ) as e:  # a graph break (fullgraph), no compiler for inductor, ...: one line, not a trace
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise TargetError(
-                f"--compile: torch.compile could not compile {self.target.name}'s verify ({type(e).__name__}: "
-                f"{first}); decode without --compile"
-            ) from None
+        # Fresh inputs: a graph is kept per stride and storage offset too, not only per shape.
+        logits, taps = _run_compiled(
+            self._fn, f"{self.target.name}'s verify", input_ids.clone(), position_ids.clone(), mask, cache
+        )
         self._captured.clear()  # the graph's own memory: not held past the call
         # A replayed graph writes its outputs into the same memory next time: keep copies.
         return logits.clone(), None if taps is None else taps.clone()
@@ -506,23 +497,33 @@ def draft_block_pass(draft: Any, target: Any) -> Any:
     compiled = torch.compile(draft.block_pass, fullgraph=True, **target.compile_options)
 
     def run(*args: Any) -> torch.Tensor:
-        _raise_recompile_limit()
-        try:
-            return compiled(*args).clone()
-        except Exception as e:  # as the verify: one line, not a trace
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise TargetError(
-                f"--compile: torch.compile could not compile the drafter's block pass ({type(e).__name__}: "
-                f"{first}); decode without --compile"
-            ) from None
+        return _run_compiled(compiled, "the drafter's block pass", *args).clone()
 
     passes[key] = run
     return run
 
 
+def _run_compiled(fn: Any, what: str, *args: Any) -> Any:
+    """A compiled step; its failure (a graph break under fullgraph, no compiler for inductor, ...) is one line."""
+    if not getattr(_THREAD, "limit_raised", False):
+        _raise_recompile_limit()
+        _THREAD.limit_raised = True
+    try:
+        return fn(*args)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TargetError(
+            f"--compile: torch.compile could not compile {what} ({type(e).__name__}: {first}); decode without "
+            "--compile"
+        ) from None
+
+
+_THREAD = threading.local()
+
+
 def _raise_recompile_limit() -> None:
-    """Room for the graphs a batch that changes size needs (dynamo's default is 8 per function). Set in the thread
-    that compiles: dynamo's settings are per thread (the server decodes in its own)."""
+    """Room for the graphs a batch that changes size needs (dynamo's default is 8 per function). Set once in each
+    thread that compiles: dynamo's settings are per thread (the server decodes in its own)."""
     config = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(config, name):

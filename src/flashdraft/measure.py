@@ -212,14 +212,21 @@ def measure_costs(
     )
 
 
-def static_decoder(target: Any, draft: Any, prompt: torch.Tensor) -> Any:
-    """An engine holding `prompt` in its static cache, for timing its verify forward."""
+def static_decoder(
+    target: Any, draft: Any, prompt: torch.Tensor, rows: int = 1, dtype: str | None = None
+) -> Any:
+    """An engine (and its batched DFlash proposer) holding `rows` rows of `prompt`, joined with real prefills:
+    what the verify and the draft pass are timed on (its caches are static where the engine's are)."""
     from .engine import BatchDecoder
     from .proposers import BatchedDFlashProposer
     from .sampling import SamplingParams
 
-    decoder = BatchDecoder(target, BatchedDFlashProposer(draft, target, block_size=draft.config.block_size))
-    decoder.add(prompt, 2, SamplingParams(), stop_token_ids=[], seed=0)
+    dtype = None if dtype is None else getattr(torch, dtype)
+    decoder = BatchDecoder(
+        target, BatchedDFlashProposer(draft, target, block_size=draft.config.block_size, dtype=dtype)
+    )
+    for _ in range(rows):
+        decoder.add(prompt, 2, SamplingParams(), stop_token_ids=[], seed=0)
     return decoder
 
 
@@ -228,21 +235,12 @@ def _measure_draft_rows(
 ) -> float:
     """Seconds of one batched draft pass over `rows` rows, each with `prompt` as its context: the rows join an
     engine (real prefills, not timed) and its proposer drafts for all of them once."""
-    from .engine import BatchDecoder
-    from .proposers import BatchedDFlashProposer
-    from .sampling import SamplingParams
-
     times = []
     for _ in range(repeats + 1):  # the first is a warm-up
-        proposer = BatchedDFlashProposer(
-            draft, target, block_size=draft.config.block_size, dtype=getattr(torch, dtype)
-        )
-        decoder = BatchDecoder(target, proposer)
-        for _ in range(rows):
-            decoder.add(prompt, 2, SamplingParams(), stop_token_ids=[], seed=0)
+        decoder = static_decoder(target, draft, prompt, rows, dtype)
         _sync()
         t0 = time.perf_counter()
-        proposer.draft_rows(decoder.rows)
+        decoder.proposer.draft_rows(decoder.rows)
         _sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])

@@ -213,6 +213,18 @@ class Target:
             for h in handles:
                 h.remove()
 
+    def model_kwargs(
+        self, cache: Any | None, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None
+    ) -> dict[str, Any]:
+        """The model's keyword arguments for a forward after `cache` (its name for the cache, explicit positions
+        where it takes them: in a batch rows hold different numbers of tokens)."""
+        kwargs: dict[str, Any] = {self._cache_arg or "past_key_values": cache, "use_cache": cache is not None}
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
+        if position_ids is not None and self._takes_positions:
+            kwargs["position_ids"] = position_ids
+        return kwargs
+
     @torch.no_grad()
     def forward(
         self,
@@ -229,13 +241,7 @@ class Target:
         A tap of layer i equals Hugging Face `hidden_states[i + 1]` (for the last layer that includes the final
         norm, as in HF), without materialising every layer's states.
         """
-        kwargs: dict[str, Any] = {self._cache_arg or "past_key_values": cache, "use_cache": cache is not None}
-        if attention_mask is not None:
-            kwargs["attention_mask"] = attention_mask
-        if (
-            position_ids is not None and self._takes_positions
-        ):  # a batch: rows hold different numbers of tokens
-            kwargs["position_ids"] = position_ids
+        kwargs = self.model_kwargs(cache, attention_mask, position_ids)
         if last_logits_only and self._logits_to_keep_arg:
             kwargs[self._logits_to_keep_arg] = 1
         record = self.recurrent is not None and cache is not None and self._has_state(cache)

@@ -23,6 +23,7 @@ from ..bench import (
     split_datasets,
     update_readme,
 )
+from .common import CompileOption
 
 
 def _redacted_command(argv: Sequence[str]) -> str:
@@ -81,13 +82,7 @@ def bench_command(
     device: Annotated[str | None, typer.Option(help="cpu | cuda")] = None,
     dtype: Annotated[str | None, typer.Option(help="float32 | bfloat16 | float16")] = None,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
-    compile_verify: Annotated[
-        bool,
-        typer.Option(
-            "--compile",
-            help="verify through the static KV cache, compiled (CUDA graphs on a GPU); attention-only targets",
-        ),
-    ] = False,
+    compile_verify: CompileOption = False,
     thinking: Annotated[
         bool | None,
         typer.Option("--thinking/--no-thinking", help="template thinking mode (default: template's)"),

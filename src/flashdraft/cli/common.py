@@ -2,10 +2,31 @@
 
 from __future__ import annotations
 
+from typing import Annotated, Any
+
+import typer
 from rich.console import Console
 
 console = Console(stderr=True)
 out = Console()
+
+# `--compile` of the decoding commands (generate, bench, serve).
+CompileOption = Annotated[
+    bool,
+    typer.Option(
+        "--compile",
+        help="verify through the static KV cache, compiled (CUDA graphs on a GPU); attention-only targets",
+    ),
+]
+
+
+def compile_or_note(target: Any) -> None:
+    """`--compile` on a loaded target: its verify compiled, or one line saying why it decodes eagerly."""
+    from ..kv_cache import compile_verify
+
+    note = compile_verify(target)
+    if note:
+        console.print(f"[yellow]note:[/] {note}")
 
 
 def parse_block_size(text: str, drafter_block_size: int | None) -> int | str:

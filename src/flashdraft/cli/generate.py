@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 
 from ..errors import one_line_errors
-from .common import console, out, parse_block_size
+from .common import CompileOption, compile_or_note, console, out, parse_block_size
 
 
 # ---------------------------------------------------------------------------------------------- generate
@@ -75,20 +75,13 @@ def generate_command(
         typer.Option(help="torch CPU threads (default: torch's; 1 is often faster on a busy machine)"),
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="library load bars and details")] = False,
-    compile_verify: Annotated[
-        bool,
-        typer.Option(
-            "--compile",
-            help="verify through the static KV cache, compiled (CUDA graphs on a GPU); attention-only targets",
-        ),
-    ] = False,
+    compile_verify: CompileOption = False,
 ) -> None:
     """Generate an answer with DFlash speculative decoding (lossless), streaming the text."""
     import torch
 
     from ..generate import GenerationError, generate, generate_ar
     from ..kv_cache import compile_options
-    from ..kv_cache import compile_verify as compile_verify_on
     from ..model import DFlashDraftModel, load_drafter_config
     from ..packs import resolve_model
     from ..progress import busy_machine_warning, quiet_libraries
@@ -134,9 +127,7 @@ def generate_command(
     tgt = load_target(target_path, dtype=torch_dtype, device=dev)
     tgt.name = target
     if compile_verify:
-        note = compile_verify_on(tgt)
-        if note:
-            console.print(f"[yellow]note:[/] {note}")
+        compile_or_note(tgt)
     drafter = DFlashDraftModel.from_pretrained(draft, dtype=tgt.dtype, device=tgt.device)
     load_s = time.perf_counter() - t0
     busy = busy_machine_warning(tgt.device.type, torch.get_num_threads())

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ..errors import one_line_errors
-from .common import console, parse_block_size
+from .common import CompileOption, compile_or_note, console, parse_block_size
 
 
 @one_line_errors
@@ -30,13 +30,7 @@ def serve_command(
     dtype: Annotated[str | None, typer.Option(help="float32 | bfloat16 | float16")] = None,
     device: Annotated[str | None, typer.Option(help="cpu | cuda")] = None,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
-    compile_verify: Annotated[
-        bool,
-        typer.Option(
-            "--compile",
-            help="verify through the static KV cache, compiled (CUDA graphs on a GPU); attention-only targets",
-        ),
-    ] = False,
+    compile_verify: CompileOption = False,
 ) -> None:
     """Serve the target (with DFlash when --draft is given) behind an OpenAI-compatible API: up to
     --max-batch-size requests decode together (continuous batching), the others wait in a bounded queue."""
@@ -61,11 +55,7 @@ def serve_command(
     tgt = load_target(target, dtype=torch_dtype, device=dev)
     tgt.check_decodable()
     if compile_verify:
-        from ..kv_cache import compile_verify as compile_verify_on
-
-        note = compile_verify_on(tgt)
-        if note:
-            console.print(f"[yellow]note:[/] {note}")
+        compile_or_note(tgt)
     drafter = None
     if draft is not None:
         check_drafter_fits_config(load_drafter_config(draft), tgt.model.config, target)
