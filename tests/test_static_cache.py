@@ -18,7 +18,7 @@ from flashdraft.measure import measure_costs
 from flashdraft.proposers import PerRowProposers
 from flashdraft.sampling import SamplingParams
 
-STATIC_ARCHS = ["llama", "qwen3", "mistral"]  # attention-only, no sliding window
+STATIC_ARCHS = ["llama", "qwen2", "qwen3", "mistral"]  # kv_cache.STATIC_FAMILIES, each checked here
 EAGER_GRAPH = {"backend": "eager"}  # dynamo traces the whole verify (fullgraph), the kernels stay eager
 
 
@@ -298,3 +298,20 @@ def test_cuda_graphs_decode_what_the_eager_gpu_path_decodes(models, block_size):
         assert [g.new_tokens for g in got] == [w.new_tokens for w in want]
     one = generate(target, draft, prompts[0], max_new_tokens=30, stop_token_ids=[], block_size=block_size)
     assert one.new_tokens == want[0].new_tokens[:30]
+
+
+def test_the_static_cache_serves_only_what_it_is_verified_on(models, monkeypatch):
+    """A family not checked token for token, or attention that would not take the engine's mask (FlashAttention-2
+    reads a mask as padding only), keeps the growing cache: exact, eagerly, and `--compile` says why."""
+    import flashdraft.kv_cache as kv_cache
+
+    target = Target(models["llama"])
+    assert kv_cache.static_refusal(target) is None
+    monkeypatch.setattr(kv_cache, "STATIC_FAMILIES", ("qwen3",))
+    assert "llama" in kv_cache.static_refusal(target) and not kv_cache.static_capable(target)
+    monkeypatch.undo()
+    config = type(target.model.config)
+    monkeypatch.setattr(
+        config, "_attn_implementation", property(lambda self: "flash_attention_2"), raising=False
+    )
+    assert "flash_attention_2" in compile_verify(target) and target.compile_options is None

@@ -341,9 +341,30 @@ def is_sliding(target: Any) -> bool:
     )
 
 
+# Families whose attention takes the engine's [b, 1, n, capacity] mask as given, checked token for token against plain
+# decoding (tests/test_static_cache.py). Others (ALiBi, custom masks) keep the growing cache: exact, just eager.
+STATIC_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def static_refusal(target: Any) -> str | None:
+    """Why the static mode cannot serve this target (None: it can)."""
+    if target.recurrent is not None:
+        return "recurrent layers"
+    if is_sliding(target):
+        return "sliding-window attention"
+    family = getattr(target.config, "model_type", None)
+    if family not in STATIC_FAMILIES:
+        return f"a model family ({family}) the static cache is not verified on (it serves {', '.join(STATIC_FAMILIES)})"
+    attention = getattr(target.model.config, "_attn_implementation", None)
+    if attention not in (None, "sdpa", "eager"):
+        return f"{attention} attention, which does not take the engine's mask"
+    return None
+
+
 def static_capable(target: Any) -> bool:
-    """Whether the static mode serves this target: attention only, no sliding window."""
-    return target.recurrent is None and not is_sliding(target)
+    """Whether the static mode serves this target: an attention-only family verified on it, no sliding window,
+    attention that takes an explicit mask."""
+    return static_refusal(target) is None
 
 
 def uses_static_cache(target: Any) -> bool:
@@ -357,9 +378,11 @@ def compile_verify(target: Any) -> str | None:
     """Have the engine verify on `target` through the static cache, compiled: CUDA graphs on a GPU
     (`mode="reduce-overhead"`), inductor's kernels on a CPU. Returns a one-line note when the target cannot take it
     (it then decodes eagerly, as exactly)."""
-    if not static_capable(target):
-        kind = "recurrent layers" if target.recurrent is not None else "sliding-window attention"
-        return f"--compile: {target.name} has {kind}, which the static cache does not serve; decoding eagerly"
+    reason = static_refusal(target)
+    if reason is not None:
+        return (
+            f"--compile: {target.name} has {reason}, which the static cache does not serve; decoding eagerly"
+        )
     target.static_cache = True
     target.compile_options = compile_options(target.device)
     return None
