@@ -345,8 +345,35 @@ def test_mismatch_is_counted_and_shown(tiny, tmp_path, monkeypatch):
     assert eq["mismatches"] == eq["compared"] >= 1
     assert eq["details"][0]["method"] == "pld" and eq["details"][0]["first_mismatch"] == 2
     assert results["summary"]["chat"]["pld"]["mismatches"] == eq["mismatches"]
+    # a token the target never chose there: the plain margin is far beyond the rounding, so it is no near-tie
+    flip = eq["details"][0]
+    assert flip["verdict"] == "unexplained" and flip["plain_margin"] > flip["path_difference"], flip
+    assert flip["plain_argmax"] == flip["reference_ids"][2]
     report = (tmp_path / "report.md").read_text()
     assert "MISMATCH" in report and f"{eq['mismatches']} of {eq['compared']} outputs differ" in report
+    n = eq["mismatches"]
+    assert f"0 of {n} are **near-ties** and **{n} unexplained**" in report and "| unexplained |" in report
+
+
+def test_a_flip_between_tied_tokens_is_a_near_tie():
+    """The near-tie test itself: a method token whose logit equals the reference token's (two identical rows of the
+    LM head) is a near-tie; the least likely token is not, in fp32 and in bf16 alike."""
+    from conftest import tiny_model
+    from flashdraft.bench.mismatches import NEAR_TIE, UNEXPLAINED, classify_flip
+    from flashdraft.target import Target
+
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny_model("llama", seed=1).to(dtype)
+        prompt, shared = torch.tensor([[5, 9, 13, 2, 7, 11]]), [4, 8, 30]
+        target = Target(model)
+        logits = target.forward(torch.tensor([[5, 9, 13, 2, 7, 11, 4, 8, 30]]), None).logits[0, -1]
+        top, low = int(logits.argmax()), int(logits.argmin())
+        far = classify_flip(target, prompt, shared, top, low, block=4)
+        assert far["verdict"] == UNEXPLAINED and far["plain_argmax"] == top, far
+        with torch.no_grad():
+            model.lm_head.weight[low] = model.lm_head.weight[top]
+        tied = classify_flip(target, prompt, shared, top, low, block=4)
+        assert tied["verdict"] == NEAR_TIE and tied["plain_margin"] == 0, tied
 
 
 # ============================================================================================ bad input

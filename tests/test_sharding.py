@@ -51,7 +51,9 @@ def test_two_process_sharded_target_matches_one_process(tmp_path, family, drafte
     data = _dataset(model)
     torch.save(data, tmp_path / "data.pt")
     worker = Path(__file__).with_name("sharded_worker.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(worker.parent)}
+    # the worker's folder before the caller's path (flashdraft may come from PYTHONPATH rather than an install)
+    path = os.pathsep.join(p for p in (str(worker.parent), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(worker),
            str(model_dir), str(tmp_path / "data.pt"), str(tmp_path / "sharded.pt"), drafter, arch]  # fmt: skip
     done = subprocess.run(run, env=env, capture_output=True, text=True, timeout=300)

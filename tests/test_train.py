@@ -472,12 +472,32 @@ def test_padded_micro_batches_train_like_one_forward_per_sequence(tmp_path, monk
             torch.testing.assert_close(state[name], p, rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("gpu_machine", [False, True])
 @pytest.mark.parametrize("layer_types", [["full_attention"], ["sliding_attention"]])
-def test_flex_block_mask_matches_dense_mask(layer_types):
-    """The FlexAttention path (used for training on CUDA) computes what the dense boolean mask computes."""
+def test_flex_block_mask_matches_dense_mask(layer_types, gpu_machine, monkeypatch):
+    """The FlexAttention path (used for training on CUDA) computes what the dense boolean mask computes. On a
+    machine with a GPU, CPU tensors still take eager flex_attention: the compiled one is for CUDA tensors (the
+    H100's torch 2.11 failed to build its CPU kernel when the choice followed torch.cuda.is_available())."""
     import warnings
 
+    import flashdraft.model as model_module
     from flashdraft.config import DFlashConfig
+
+    if gpu_machine:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(model_module, "_FLEX", None)
+        from torch.nn.attention.flex_attention import flex_attention
+
+        real_compile = torch.compile
+
+        def guarded_compile(
+            fn, *args, **kwargs
+        ):  # eager flex_attention compiles its own wrapper: let that pass
+            if fn is flex_attention:
+                return lambda *a, **k: pytest.fail("flex_attention compiled for CPU tensors")
+            return real_compile(fn, *args, **kwargs)
+
+        monkeypatch.setattr(torch, "compile", guarded_compile)
 
     cfg = DFlashConfig(
         hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,

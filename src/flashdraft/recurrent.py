@@ -234,6 +234,24 @@ class _ReplayCache:
         self.recurrent[state_idx] = recurrent_states
         return recurrent_states
 
+    @property
+    def layers(self) -> _ReplayLayers:
+        """transformers < 5.18: mixers read `cache_params.layers[layer_idx].conv_states[i]` (and
+        `.recurrent_states[i]`, `.record_past`) instead of calling the getters."""
+        return _ReplayLayers(self)
+
+
+class _ReplayLayers:
+    """Every layer index of a replay cache is its one layer: the snapshot's states, not recording."""
+
+    record_past = False
+
+    def __init__(self, cache: _ReplayCache) -> None:
+        self.conv_states, self.recurrent_states = cache.conv, cache.recurrent
+
+    def __getitem__(self, layer_idx: int) -> _ReplayLayers:
+        return self
+
 
 def _slice_rows(value: Any, rows: torch.Tensor, keep: int, batch: int, block: int) -> Any:
     """A recorded mixer argument for `rows` and the first `keep` of the block's `block` tokens."""

@@ -183,14 +183,20 @@ class Target:
         except TypeError:  # transformers < 4.56
             return DynamicCache()
         if hasattr(cache, "activate_past_recording"):
-            # transformers 5.x: sliding-window layers (and conv-only layers, LFM2) keep their past so a rejected
-            # block can be cropped; recurrent layers are rolled back by `keep` instead.
-            from .recurrent import is_recurrent_layer
+            # transformers 5.x. A sliding-window KV layer becomes a full one: the model applies the window through
+            # the attention mask, and a full layer crops without a recorded past (a recording sliding layer of
+            # transformers < 5.18 hands attention more keys than its mask describes). Conv-only layers (LFM2) keep
+            # their past so a rejected block can be cropped; recurrent layers are rolled back by `keep` instead.
+            from transformers.cache_utils import DynamicLayer
 
-            for layer in cache.layers:
-                if hasattr(layer, "activate_past_recording") and not (
-                    self.recurrent is not None and is_recurrent_layer(layer)
-                ):
+            from .recurrent import has_kv, is_recurrent_layer
+
+            for i, layer in enumerate(cache.layers):
+                if self.recurrent is not None and is_recurrent_layer(layer):
+                    continue
+                if getattr(layer, "is_sliding", False) and has_kv(layer):
+                    cache.layers[i] = DynamicLayer()
+                elif hasattr(layer, "activate_past_recording"):
                     layer.activate_past_recording()
             return cache
         # transformers 4.x: sliding-window cache layers cannot be rolled back once past their window. A full cache

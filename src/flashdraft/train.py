@@ -530,6 +530,7 @@ class Trainer:
             "seen": dict(self.seen),
             "train_config": asdict(self.cfg),
             "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
         }
 
     def save_checkpoint(self) -> None:
@@ -554,7 +555,10 @@ class Trainer:
         self.step = state["step"]
         self.wall_s = state.get("wall_s", 0.0)
         self.seen = dict(state.get("seen", self.seen))
-        torch.set_rng_state(state["rng"])
+        # map_location moved every tensor to the device; the generators' states are byte tensors on the host
+        torch.set_rng_state(state["rng"].cpu())
+        if state.get("cuda_rng") is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"].cpu(), self.device)
         return True
 
     @staticmethod

@@ -28,6 +28,7 @@ from .config import (
     validate_config,
 )
 from .metrics import SampleRecord, add_speedups, first_difference, summarize_records
+from .mismatches import flip_of, mismatch_entry
 from .report import write_results
 
 
@@ -231,28 +232,6 @@ class LocalMethods:
         )
 
 
-def _mismatch_entry(rec: SampleRecord, ref: RunOutput, out: RunOutput, tokenizer: Any) -> dict[str, Any]:
-    i = rec.first_mismatch or 0
-    lo = max(0, i - 8)
-
-    def text(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=False) if tokenizer is not None else str(ids)
-
-    return {
-        "dataset": rec.dataset,
-        "conversation_id": rec.conversation_id,
-        "turn": rec.turn,
-        "method": rec.method,
-        "first_mismatch": i,
-        "reference_tokens": len(ref.new_ids),
-        "method_tokens": len(out.new_ids),
-        "reference_ids": ref.new_ids[lo : i + 8],
-        "method_ids": out.new_ids[lo : i + 8],
-        "reference_text": text(ref.new_ids[lo : i + 8]),
-        "method_text": text(out.new_ids[lo : i + 8]),
-    }
-
-
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     """Run the local benchmark and write results.json, report.md and plots to `cfg.out_dir`; return the results."""
     validate_config(cfg)
@@ -349,7 +328,15 @@ def _run_local(cfg: BenchConfig, datasets: list[BenchDataset]) -> dict[str, Any]
                                     rec.first_mismatch = first_difference(ref.new_ids, out.new_ids)
                                     rec.matches_reference = rec.first_mismatch is None
                                     if not rec.matches_reference:
-                                        mismatches.append(_mismatch_entry(rec, ref, out, tokenizer))
+                                        flip = (
+                                            flip_of(target, ids, ref.new_ids, out.new_ids, rec.first_mismatch,
+                                                    runner.block_size or 16)
+                                            if greedy
+                                            else None
+                                        )  # fmt: skip
+                                        mismatches.append(
+                                            mismatch_entry(rec, ref.new_ids, out.new_ids, tokenizer, flip)
+                                        )
                                 if cfg.save_outputs and tokenizer is not None:
                                     rec.output_text = tokenizer.decode(out.new_ids, skip_special_tokens=True)
                                 records.append(rec)

@@ -13,7 +13,24 @@ from rich.table import Table
 
 from .config import REFERENCE, BenchError
 from .metrics import SampleRecord
+from .mismatches import NEAR_TIE, UNEXPLAINED, verdict_counts
 from .plots import plot_local, plot_server
+
+
+def _verdict_lines(eq: dict[str, Any]) -> list[str]:
+    """What the near-tie test found (greedy runs): how many flips the rounding explains, how many it does not."""
+    counts = verdict_counts(eq["details"])
+    tested = counts[NEAR_TIE] + counts[UNEXPLAINED]
+    if not tested:
+        return []
+    return [
+        f"At the first differing token, {counts[NEAR_TIE]} of {tested} are **near-ties** and "
+        f"**{counts[UNEXPLAINED]} unexplained**: the plain margin (logit of ar's token minus the method's, from a "
+        "one-token step) against how far that step and a batched forward over the same prefix disagree there "
+        "(step vs batched, the largest logit difference) or the dtype's rounding; a flip the margin exceeds "
+        "is unexplained, which is what a bug looks like. Outputs that only end at another length are not tested.",
+        "",
+    ]
 
 
 def _fmt(value: float | None, spec: str = ".2f", scale: float = 1.0, suffix: str = "") -> str:
@@ -198,17 +215,24 @@ def render_report(results: dict[str, Any]) -> str:
     else:
         lines += [
             f"**{eq['mismatches']} of {eq['compared']} outputs differ from `{eq['reference']}`** "
-            "(transformers assisted generation in fp32 can legitimately differ on near-ties; listed, never hidden):",
+            "(transformers assisted generation in fp32 can legitimately differ on near-ties; listed, never hidden).",
             "",
-            "| dataset | prompt | turn | method | first differing token | ar text there | method text there |",
-            "|---|---|---|---|---|---|---|",
+            *_verdict_lines(eq),
+            "| dataset | prompt | turn | method | first differing token | ar text there | method text there | "
+            "plain margin | step vs batched | verdict |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for m in eq["details"]:
             ref_text = json.dumps(m["reference_text"], ensure_ascii=False)[1:-1].replace("|", "\\|")
             out_text = json.dumps(m["method_text"], ensure_ascii=False)[1:-1].replace("|", "\\|")
+            margins = (
+                f"{m['plain_margin']:.4g} | {m['path_difference']:.4g} | {m['verdict']}"
+                if "verdict" in m
+                else "— | — | —"
+            )
             lines.append(
                 f"| {m['dataset']} | {m['conversation_id']} | {m['turn']} | {m['method']} | "
-                f"{m['first_mismatch']} | `{ref_text}` | `{out_text}` |"
+                f"{m['first_mismatch']} | `{ref_text}` | `{out_text}` | {margins} |"
             )
         lines.append("")
     if results.get("skipped"):
@@ -439,7 +463,14 @@ def print_summary(results: dict[str, Any]) -> None:
             out.print(table)
         eq = results["equality"]
         if eq["checked"] and eq["mismatches"]:
-            out.print(f"[bold red]{eq['mismatches']} output(s) differ from ar[/]; see report.md")
+            counts = verdict_counts(eq["details"])
+            tested = counts[NEAR_TIE] + counts[UNEXPLAINED]
+            why = (
+                f" ({counts[NEAR_TIE]} of {tested} near-ties, {counts[UNEXPLAINED]} unexplained)"
+                if tested
+                else ""
+            )
+            out.print(f"[bold red]{eq['mismatches']} output(s) differ from ar[/]{why}; see report.md")
         elif eq["checked"]:
             out.print(f"all {eq['compared']} outputs identical to ar{_seed_note(eq)}")
     out.print(f"results in {results['out_dir']}")
