@@ -357,22 +357,32 @@ def test_mismatch_is_counted_and_shown(tiny, tmp_path, monkeypatch):
 
 def test_a_flip_between_tied_tokens_is_a_near_tie():
     """The near-tie test itself: a method token whose logit equals the reference token's (two identical rows of the
-    LM head) is a near-tie; the least likely token is not, in fp32 and in bf16 alike."""
+    LM head) is a near-tie; the least likely token is not, in fp32 and in bf16 alike. The plain logits are those of
+    a replay of plain decoding, so the reference token is their argmax."""
+    from types import SimpleNamespace
+
     from conftest import tiny_model
-    from flashdraft.bench.mismatches import NEAR_TIE, UNEXPLAINED, classify_flip
+    from flashdraft.bench.mismatches import NEAR_TIE, UNEXPLAINED, plain_logits_at, weigh_flips
     from flashdraft.target import Target
 
     for dtype in (torch.float32, torch.bfloat16):
         model = tiny_model("llama", seed=1).to(dtype)
-        prompt, shared = torch.tensor([[5, 9, 13, 2, 7, 11]]), [4, 8, 30]
         target = Target(model)
-        logits = target.forward(torch.tensor([[5, 9, 13, 2, 7, 11, 4, 8, 30]]), None).logits[0, -1]
-        top, low = int(logits.argmax()), int(logits.argmin())
-        far = classify_flip(target, prompt, shared, top, low, block=4)
-        assert far["verdict"] == UNEXPLAINED and far["plain_argmax"] == top, far
+        prompt, shared = torch.tensor([[5, 9, 13, 2, 7, 11]]), [4, 8, 30]
+        step = plain_logits_at(target, prompt, shared + [0], [len(shared)])[len(shared)]
+        top, low = int(step.argmax()), int(step.argmin())
+        record = SimpleNamespace(first_mismatch=len(shared))
+        short = SimpleNamespace(
+            first_mismatch=len(shared) + 1
+        )  # ends where the reference goes on: not weighed
+        far, ended = weigh_flips(
+            target, prompt, [*shared, top, 1], [(record, [*shared, low]), (short, [])], 4
+        )
+        assert far["verdict"] == UNEXPLAINED and far["plain_argmax"] == top and far["plain_margin"] > 0, far
+        assert ended is None
         with torch.no_grad():
             model.lm_head.weight[low] = model.lm_head.weight[top]
-        tied = classify_flip(target, prompt, shared, top, low, block=4)
+        (tied,) = weigh_flips(target, prompt, [*shared, top], [(record, [*shared, low])], 4)
         assert tied["verdict"] == NEAR_TIE and tied["plain_margin"] == 0, tied
 
 

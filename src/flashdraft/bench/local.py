@@ -28,7 +28,7 @@ from .config import (
     validate_config,
 )
 from .metrics import SampleRecord, add_speedups, first_difference, summarize_records
-from .mismatches import flip_of, mismatch_entry
+from .mismatches import mismatch_entry, weigh_flips
 from .report import write_results
 
 
@@ -306,6 +306,7 @@ def _run_local(cfg: BenchConfig, datasets: list[BenchDataset]) -> dict[str, Any]
                             seed = cfg.seed + prompt_index
                             outputs = {m: runner.run(m, ids, cfg.max_new_tokens, seed) for m in order}
                             ref = outputs[REFERENCE]
+                            differing: list[tuple[SampleRecord, list[int]]] = []
                             for method in cfg.methods:
                                 out = outputs[method]
                                 rec = SampleRecord(
@@ -328,18 +329,19 @@ def _run_local(cfg: BenchConfig, datasets: list[BenchDataset]) -> dict[str, Any]
                                     rec.first_mismatch = first_difference(ref.new_ids, out.new_ids)
                                     rec.matches_reference = rec.first_mismatch is None
                                     if not rec.matches_reference:
-                                        flip = (
-                                            flip_of(target, ids, ref.new_ids, out.new_ids, rec.first_mismatch,
-                                                    runner.block_size or 16)
-                                            if greedy
-                                            else None
-                                        )  # fmt: skip
-                                        mismatches.append(
-                                            mismatch_entry(rec, ref.new_ids, out.new_ids, tokenizer, flip)
-                                        )
+                                        differing.append((rec, out.new_ids))
                                 if cfg.save_outputs and tokenizer is not None:
                                     rec.output_text = tokenizer.decode(out.new_ids, skip_special_tokens=True)
                                 records.append(rec)
+                            flips = (
+                                weigh_flips(target, ids, ref.new_ids, differing, runner.block_size or 16)
+                                if greedy
+                                else [None] * len(differing)
+                            )
+                            mismatches += [
+                                mismatch_entry(rec, ref.new_ids, method_ids, tokenizer, flip)
+                                for (rec, method_ids), flip in zip(differing, flips, strict=True)
+                            ]
                             # The next turn is conditioned on the target's own answer (z-lab's mt-bench protocol).
                             answer = (
                                 tokenizer.decode(ref.new_ids, skip_special_tokens=True) if tokenizer else ""

@@ -4,18 +4,20 @@ Below float32 a batched verify and a one-token step round differently, so greedy
 decoding where two tokens are all but tied. A real bug must not hide among those: at the first differing token the
 target is run again both ways on the shared prefix,
 
-* as plain decoding runs it: the prefix cached, then a one-token step, whose logits give the **plain margin**
-  (reference token minus the method's token; plain decoding chose the reference, so it is ≥ 0 up to rounding);
-* as a verify runs it: the prefix minus its last `block` tokens cached, then those tokens in one forward;
+* as plain decoding (`ar`) ran it: the prompt prefilled, then the reference tokens one step at a time; the logits
+  of the step that chose the reference token give the **plain margin** (reference token minus the method's: ≥ 0,
+  since plain decoding chose the reference, and 0 on an exact tie, where the lower token id wins);
+* as a verify runs it: the prefix but its last `block` tokens in one forward, then those tokens in one forward;
 
-and the largest logit difference between the two is the **path difference**: how far the two ways of computing
-the same position disagree in this dtype on this device. A flip is a **near-tie** when the plain margin is within
-the path difference (or within the dtype's rounding of the largest logit); otherwise it is **unexplained**, which
-is what a bug looks like.
+and the largest logit difference between the two at that position is the **path difference**: how far two ways of
+computing the same position disagree in this dtype on this device. A flip is a **near-tie** when the plain margin is
+within the path difference (or the dtype's rounding of the largest logit); otherwise it is **unexplained**, which is
+what a bug looks like.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -25,28 +27,42 @@ UNEXPLAINED = "unexplained"
 
 
 @torch.inference_mode()
-def classify_flip(
-    target: Any,
-    prompt_ids: torch.Tensor,
-    shared: list[int],
-    reference_token: int,
-    method_token: int,
-    block: int,
-) -> dict[str, Any]:
-    """The near-tie test at one differing position: `shared` is the output both runs emitted before it."""
-    shared_ids = torch.tensor(shared, dtype=torch.long, device=target.device).view(1, -1)
-    prefix = torch.cat([prompt_ids[:1].to(target.device), shared_ids], dim=1)
-    n = prefix.shape[1]
+def plain_logits_at(
+    target: Any, prompt_ids: torch.Tensor, reference_ids: list[int], positions: Sequence[int]
+) -> dict[int, torch.Tensor]:
+    """The logits plain decoding chose `reference_ids[i]` from, for each i in `positions`: one replay of `ar`
+    (the prompt prefilled, then one token a step) as far as the last of them."""
+    wanted, out = set(positions), {}
+    device = target.device
     cache = target.new_cache()
-    target.forward(prefix[:, :-1], cache)
-    step = target.forward(prefix[:, -1:], cache).logits[0, -1]
+    logits = target.forward(prompt_ids[:1].to(device), cache, last_logits_only=True).logits[0, -1]
+    for i in range(max(wanted) + 1):
+        if i in wanted:
+            out[i] = logits
+        if i < max(wanted):
+            token = torch.tensor([[reference_ids[i]]], device=device)
+            logits = target.forward(token, cache, last_logits_only=True).logits[0, -1]
+    return out
+
+
+@torch.inference_mode()
+def batched_logits(target: Any, prefix: torch.Tensor, block: int) -> torch.Tensor:
+    """The logits after `prefix` as a verify computes them: all but its last `block` tokens in one forward, then
+    those in one more."""
+    n = prefix.shape[1]
     k = max(1, min(block, n - 1))
     cache = target.new_cache()
     target.forward(prefix[:, : n - k], cache)
-    batched = target.forward(prefix[:, n - k :], cache).logits[0, -1]
+    return target.forward(prefix[:, n - k :], cache).logits[0, -1]
+
+
+def classify_flip(
+    step: torch.Tensor, batched: torch.Tensor, reference_token: int, method_token: int, dtype: torch.dtype
+) -> dict[str, Any]:
+    """The near-tie test at one position, from the plain step's logits and the batched forward's."""
     margin = float(step[reference_token] - step[method_token])
     path_difference = float((step - batched).abs().max())
-    rounding = float(torch.finfo(target.dtype).eps * step.abs().max())
+    rounding = float(torch.finfo(dtype).eps * step.abs().max())
     return {
         "plain_margin": margin,
         "batched_margin": float(batched[reference_token] - batched[method_token]),
@@ -55,6 +71,35 @@ def classify_flip(
         "plain_argmax": int(step.argmax()),
         "verdict": NEAR_TIE if margin <= max(path_difference, rounding) else UNEXPLAINED,
     }
+
+
+def weigh_flips(
+    target: Any,
+    prompt_ids: torch.Tensor,
+    reference_ids: list[int],
+    differing: Sequence[tuple[Any, list[int]]],
+    block: int,
+) -> list[dict[str, Any] | None]:
+    """The near-tie test for every method output of one prompt that parts from the reference (`differing`: its
+    record, with `first_mismatch`, and its tokens); None where an output only ends at another length (no token of
+    the method's to weigh against the reference's). One replay of plain decoding serves them all."""
+    tested = [
+        (k, record.first_mismatch, ids)
+        for k, (record, ids) in enumerate(differing)
+        if record.first_mismatch < min(len(reference_ids), len(ids))
+    ]
+    flips: list[dict[str, Any] | None] = [None] * len(differing)
+    if not tested:
+        return flips
+    steps = plain_logits_at(target, prompt_ids, reference_ids, [i for _, i, _ in tested])
+    batched: dict[int, torch.Tensor] = {}
+    for k, i, ids in tested:
+        if i not in batched:
+            shared = torch.tensor([reference_ids[:i]], dtype=torch.long).view(1, -1)
+            prefix = torch.cat([prompt_ids[:1].cpu(), shared], dim=1).to(target.device)
+            batched[i] = batched_logits(target, prefix, block)
+        flips[k] = classify_flip(steps[i], batched[i], reference_ids[i], ids[i], target.dtype)
+    return flips
 
 
 def mismatch_entry(
@@ -88,23 +133,6 @@ def mismatch_entry(
     if flip is not None:
         entry.update(flip)
     return entry
-
-
-def flip_of(
-    target: Any,
-    prompt_ids: torch.Tensor,
-    reference_ids: list[int],
-    method_ids: list[int],
-    first: int,
-    block: int,
-) -> dict[str, Any] | None:
-    """The near-tie test where two greedy outputs part; None where one output simply ends first (no token of the
-    method's to weigh against the reference's)."""
-    if first >= len(reference_ids) or first >= len(method_ids) or prompt_ids.shape[1] + first < 2:
-        return None
-    return classify_flip(
-        target, prompt_ids, reference_ids[:first], reference_ids[first], method_ids[first], block
-    )
 
 
 def verdict_counts(details: list[dict[str, Any]]) -> dict[str, int]:
