@@ -69,6 +69,8 @@ CASES = [
     ({"--draft": "DRAFT_FILE"}, "is a file"),
     ({"--draft": "/no/such/drafter"}, "does not exist"),
     ({"--draft": "WRONG"}, "hidden size 128"),
+    ({"--quantize": "int4"}, "--quantize must be one of int8, got 'int4'"),
+    ({"--quantize": "int8", "--dtype": "float32"}, "--quantize int8 runs bf16 activations"),
 ]
 if not torch.cuda.is_available():
     CASES.append(({"--device": "cuda"}, "sees no CUDA GPU"))

@@ -58,8 +58,10 @@ def cost_key(target: Any, draft: Any) -> dict[str, Any]:
     verify = {}
     if uses_static_cache(target):  # priced as the engine runs it: static cache, compiled or not
         verify = {"verify": {"static_cache": True, "compile": repr(target.compile_options)}}
+    quantize = getattr(target, "quantize", None)  # int8 weights cost another price list than the bf16 ones
     return {
         **verify,
+        **({"quantize": quantize} if quantize else {}),
         "version": COST_MODEL_VERSION,
         "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
         "threads": torch.get_num_threads(),

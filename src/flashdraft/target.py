@@ -110,6 +110,11 @@ class Target:
         # graphs).
         self.static_cache: bool | None = None
         self.compile_options: dict[str, Any] | None = None
+        from .quantize import quantization_of
+
+        self.quantize: str | None = quantization_of(
+            model
+        )  # "int8": its linear layers are quantize.Int8Linear
 
     def check_decodable(self) -> None:
         """Refuse, before anything is decoded, a target whose cache cannot be rolled back exactly (training, which
@@ -169,7 +174,8 @@ class Target:
         return float(module_scale) * self._embed_scale
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
+        dtype = getattr(self.lm_head, "compute_dtype", None) or self.lm_head.weight.dtype  # int8: bf16 inputs
+        logits = self.lm_head(hidden.to(dtype)).float()
         if self._softcap:
             logits = torch.tanh(logits / self._softcap) * self._softcap
         return logits
@@ -524,14 +530,18 @@ def load_target(
     dtype: torch.dtype | str | None = None,
     device: str | torch.device | None = None,
     auto_fetch: bool = True,
+    quantize: str | None = None,
 ) -> Target:
-    """Load a target by offline pack name (`smollm2-135m-instruct`, ...), local path or Hugging Face hub id."""
+    """Load a target by offline pack name (`smollm2-135m-instruct`, ...), local path or Hugging Face hub id;
+    `quantize="int8"`: its linear layers int8 weight-only, bf16 activations (CPU; quantize.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .packs import resolve_model
+    from .quantize import check_quantize, quantize_int8
 
     device = parse_device(device)
-    dtype = parse_dtype(dtype) or default_dtype(device)
+    check_quantize(quantize, parse_dtype(dtype), device)
+    dtype = parse_dtype(dtype) or (torch.bfloat16 if quantize else default_dtype(device))
     path = resolve_model(name_or_path, auto_fetch=auto_fetch)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -539,7 +549,10 @@ def load_target(
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise TargetError(f"cannot load target {name_or_path!r}: {first}") from None
-    return Target(model.to(device), tokenizer, name=name_or_path)
+    model = model.to(device)
+    if quantize:
+        quantize_int8(model)
+    return Target(model, tokenizer, name=name_or_path)
 
 
 def choose_mask_token_id(tokenizer: Any, embedding_rows: int) -> int:

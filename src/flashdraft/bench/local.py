@@ -83,7 +83,7 @@ class LocalMethods:
         from ..target import load_target
 
         self.cfg = cfg
-        self.target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
+        self.target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, quantize=cfg.quantize)
         self.target.check_decodable()
         self.compile_note = compile_verify(self.target) if cfg.compile_verify else None
         self.device = self.target.device
@@ -400,6 +400,7 @@ def _local_results(
         "warmup": cfg.warmup,
         "compile_verify": runner.target.compile_options is not None,
         "static_cache": bool(runner.target.static_cache),
+        "quantize": runner.target.quantize,
         "transformers_generation": runner.hf_generation_settings(),
     }
     return {
@@ -410,7 +411,7 @@ def _local_results(
         "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "interrupted": interrupted,
         "settings": settings,
-        "machine": machine_info(runner.device, runner.target.dtype),
+        "machine": {**machine_info(runner.device, runner.target.dtype), "quantize": runner.target.quantize},
         "drafter": runner.drafter_info,
         "datasets": [dataset_info(ds) for ds in datasets],
         "definitions": {

@@ -139,7 +139,11 @@ def _machine_lines(machine: dict[str, Any]) -> list[str]:
                 " (below float32, a batched verify and a one-token step round differently: near-ties can flip, so "
                 "outputs may differ from ar; the mismatch count below says how often)"
             )
-        lines.append(f"- device / dtype: {machine.get('device')} / {machine.get('dtype')}{dtype_note}")
+        quantized = machine.get("quantize")
+        weights = f", weights {quantized} (every method runs the same quantized target)" if quantized else ""
+        lines.append(
+            f"- device / dtype: {machine.get('device')} / {machine.get('dtype')}{weights}{dtype_note}"
+        )
     if machine.get("load_average_end"):
         start = machine.get("load_average_start")
         lines.append(

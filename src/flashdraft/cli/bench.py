@@ -23,7 +23,7 @@ from ..bench import (
     split_datasets,
     update_readme,
 )
-from .common import CompileOption
+from .common import CompileOption, QuantizeOption
 
 
 def _redacted_command(argv: Sequence[str]) -> str:
@@ -83,6 +83,7 @@ def bench_command(
     dtype: Annotated[str | None, typer.Option(help="float32 | bfloat16 | float16")] = None,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
     compile_verify: CompileOption = False,
+    quantize: QuantizeOption = None,
     thinking: Annotated[
         bool | None,
         typer.Option("--thinking/--no-thinking", help="template thinking mode (default: template's)"),
@@ -133,7 +134,7 @@ def bench_command(
                 max_samples=max_samples, max_new_tokens=max_new_tokens, temperature=temperature,
                 block_size=block_size, pld_tokens=pld_tokens, seed=seed, out_dir=out, device=device, dtype=dtype,
                 threads=threads, compile_verify=compile_verify, thinking=thinking, chat=chat, save_outputs=save_outputs, plots=plots,
-                command=command,
+                command=command, quantize=quantize,
             )  # fmt: skip
             results = run_bench(cfg)
             if readme is not None:

@@ -18,6 +18,14 @@ CompileOption = Annotated[
         help="verify through the static KV cache, compiled (CUDA graphs on a GPU); attention-only targets",
     ),
 ]
+QuantizeOption = Annotated[
+    str | None,
+    typer.Option(
+        "--quantize",
+        help="int8: the target's linear layers int8 weight-only with bf16 activations (CPU); lossless against "
+        "plain decoding of the same quantized model",
+    ),
+]
 
 
 def compile_or_note(target: Any) -> None:

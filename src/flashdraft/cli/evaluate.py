@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from ..errors import one_line_errors
-from .common import console, out, parse_block_size
+from .common import QuantizeOption, console, out, parse_block_size
 
 
 @one_line_errors
@@ -30,6 +30,7 @@ def eval_command(
     device: Annotated[str | None, typer.Option(help="cpu | cuda")] = None,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
+    quantize: QuantizeOption = None,
 ) -> None:
     """τ (tokens per target forward) at T=0 and a fixed verify length on held-out benchmark prompts."""
     import torch
@@ -39,6 +40,7 @@ def eval_command(
     from ..generate import GenerationError
     from ..model import DFlashDraftModel, load_drafter_config
     from ..packs import resolve_model
+    from ..quantize import check_quantize
     from ..target import (
         check_decodable_config,
         check_drafter_fits_config,
@@ -65,13 +67,14 @@ def eval_command(
     if block_size is not None:
         parse_block_size(str(block_size), draft_config.block_size)  # the same range check as `generate`
     dev, torch_dtype = parse_device(device), parse_dtype(dtype)
+    check_quantize(quantize, torch_dtype, dev)
     target_path = resolve_model(target)
     from transformers import AutoConfig
 
     target_config = AutoConfig.from_pretrained(target_path)
     check_decodable_config(target_config, target)
     check_drafter_fits_config(draft_config, target_config, target)
-    tgt = load_target(target_path, dtype=torch_dtype, device=dev)
+    tgt = load_target(target_path, dtype=torch_dtype, device=dev, quantize=quantize)
     tgt.name = target
     drafter = DFlashDraftModel.from_pretrained(draft, dtype=tgt.dtype, device=tgt.device)
     with torch.no_grad():  # not set_grad_enabled: a command run in-process leaves its caller's mode alone

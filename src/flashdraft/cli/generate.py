@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 
 from ..errors import one_line_errors
-from .common import CompileOption, compile_or_note, console, out, parse_block_size
+from .common import CompileOption, QuantizeOption, compile_or_note, console, out, parse_block_size
 
 
 # ---------------------------------------------------------------------------------------------- generate
@@ -76,6 +76,7 @@ def generate_command(
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="library load bars and details")] = False,
     compile_verify: CompileOption = False,
+    quantize: QuantizeOption = None,
 ) -> None:
     """Generate an answer with DFlash speculative decoding (lossless), streaming the text."""
     import torch
@@ -85,6 +86,7 @@ def generate_command(
     from ..model import DFlashDraftModel, load_drafter_config
     from ..packs import resolve_model
     from ..progress import busy_machine_warning, quiet_libraries
+    from ..quantize import check_quantize
     from ..sampling import SamplingParams
     from ..target import (
         TargetError,
@@ -106,6 +108,7 @@ def generate_command(
         raise GenerationError(f"--threads must be >= 1, got {threads}")
     dev = parse_device(device)
     torch_dtype = parse_dtype(dtype)
+    check_quantize(quantize, torch_dtype, dev)
     if compile_verify:
         compile_options(dev)  # a bad $FLASHDRAFT_COMPILE is named before anything loads
     draft_config = load_drafter_config(draft)
@@ -124,7 +127,7 @@ def generate_command(
         torch.set_num_threads(threads)
 
     t0 = time.perf_counter()
-    tgt = load_target(target_path, dtype=torch_dtype, device=dev)
+    tgt = load_target(target_path, dtype=torch_dtype, device=dev, quantize=quantize)
     tgt.name = target
     if compile_verify:
         compile_or_note(tgt)

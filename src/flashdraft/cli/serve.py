@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ..errors import one_line_errors
-from .common import CompileOption, compile_or_note, console, parse_block_size
+from .common import CompileOption, QuantizeOption, compile_or_note, console, parse_block_size
 
 
 @one_line_errors
@@ -31,6 +31,7 @@ def serve_command(
     device: Annotated[str | None, typer.Option(help="cpu | cuda")] = None,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
     compile_verify: CompileOption = False,
+    quantize: QuantizeOption = None,
 ) -> None:
     """Serve the target (with DFlash when --draft is given) behind an OpenAI-compatible API: up to
     --max-batch-size requests decode together (continuous batching), the others wait in a bounded queue."""
@@ -41,10 +42,12 @@ def serve_command(
     require_extra("serve", "fastapi", "uvicorn", "prometheus_client")
     from ..generate import GenerationError
     from ..model import DFlashDraftModel, load_drafter_config
+    from ..quantize import check_quantize
     from ..serve import Engine, build_app, run_server
     from ..target import check_drafter_fits_config, load_target, parse_device, parse_dtype
 
     dev, torch_dtype = parse_device(device), parse_dtype(dtype)
+    check_quantize(quantize, torch_dtype, dev)
     verify = parse_block_size(
         block_size, load_drafter_config(draft).block_size if draft is not None else None
     )
@@ -52,7 +55,7 @@ def serve_command(
         raise GenerationError(f"--max-queue must be >= 1, got {max_queue}")
     if max_batch_size < 1:
         raise GenerationError(f"--max-batch-size must be >= 1, got {max_batch_size}")
-    tgt = load_target(target, dtype=torch_dtype, device=dev)
+    tgt = load_target(target, dtype=torch_dtype, device=dev, quantize=quantize)
     tgt.check_decodable()
     if compile_verify:
         compile_or_note(tgt)
