@@ -21,6 +21,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from .model import DFlashCheckpointError
     from .packs import PackError
     from .prompts import PromptFormatError
+    from .quantize import QuantizeError
     from .remote import RemoteError
     from .sampling import SamplingError
     from .target import TargetError
@@ -36,6 +37,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
         GenerationError,
         PackError,
         PromptFormatError,
+        QuantizeError,
         SamplingError,
         TargetError,
         MissingExtraError,

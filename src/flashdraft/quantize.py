@@ -14,13 +14,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .target import TargetError
-
 QUANTIZE_SCHEMES = ("int8",)
 
 
-class QuantizeError(TargetError):
-    """A quantization the engine cannot run: refused in one line, before loading."""
+class QuantizeError(ValueError):
+    """A quantization the engine cannot run: refused in one line, before loading (errors.py)."""
 
 
 class Int8Linear(nn.Module):
