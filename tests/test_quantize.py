@@ -9,14 +9,16 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import VOCAB, OracleProposer, tiny_model
+from conftest import HYBRID_ARCHS, VOCAB, OracleProposer, hybrid_model, tiny_model
 from flashdraft import Target, generate, generate_ar
 from flashdraft.model import DFlashDraftModel
 from flashdraft.quantize import Int8Linear, QuantizeError, check_quantize, quantize_int8
 
 
 def quantized(arch: str, seed: int = 0) -> nn.Module:
-    model = tiny_model(arch, seed=seed).to(torch.bfloat16)
+    model = (hybrid_model(arch, seed=seed) if arch in HYBRID_ARCHS else tiny_model(arch, seed=seed)).to(
+        torch.bfloat16
+    )
     quantize_int8(model)
     return model
 
@@ -33,6 +35,9 @@ def test_int8_linear_is_the_linear_of_its_rounded_weights():
     step = q.scales.float()[:, None] / 2
     assert ((q.weight.float() - linear.weight.float()).abs() <= step + 1e-3).all()
     assert q(x).shape == (5, 3, 40) and q(x).dtype == torch.bfloat16
+    # a view whose rows are not contiguous (as some mixers hand their projections) gives the same rows
+    strided = torch.randn(48, 6, dtype=torch.bfloat16).T
+    assert torch.equal(q(strided), q(strided.contiguous()))
 
 
 def test_int8_kernel_is_batch_invariant():
@@ -55,7 +60,9 @@ def test_quantize_replaces_every_linear_and_the_head():
     assert target.lm_head_logits(torch.randn(2, target.hidden_size)).dtype == torch.float32
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+# Jamba is left out: in bf16, with or without int8, one of these sampled runs parts from plain sampling (its batched
+# verify rounds otherwise than a one-token step: the near-tie of bench/mismatches.py, here on a sampling threshold).
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5"])
 def test_dflash_on_an_int8_target_is_plain_decoding_of_it(arch):
     """Greedy and seeded sampling: a random drafter (most drafts rejected, rollbacks) and an oracle (long accepts)
     emit exactly what plain decoding of the same int8 model emits."""

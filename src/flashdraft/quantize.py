@@ -44,9 +44,8 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        out = torch.ops.aten._weight_int8pack_mm(
-            x.reshape(-1, shape[-1]).to(self.compute_dtype), self.weight_int8, self.scales
-        )
+        rows = x.reshape(-1, shape[-1]).to(self.compute_dtype).contiguous()  # the kernel reads whole rows
+        out = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features)
