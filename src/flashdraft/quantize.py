@@ -40,7 +40,7 @@ class Int8Linear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized weight (a new tensor each call): for code that reads a head's weight once."""
-        return (self.weight_int8.to(self.compute_dtype) * self.scales[:, None]).to(self.compute_dtype)
+        return self.weight_int8.to(self.compute_dtype) * self.scales[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -112,9 +112,8 @@ class Target:
         self.compile_options: dict[str, Any] | None = None
         from .quantize import quantization_of
 
-        self.quantize: str | None = quantization_of(
-            model
-        )  # "int8": its linear layers are quantize.Int8Linear
+        # "int8": its linear layers are quantize.Int8Linear (the cost model and the reports key on it)
+        self.quantize: str | None = quantization_of(model)
 
     def check_decodable(self) -> None:
         """Refuse, before anything is decoded, a target whose cache cannot be rolled back exactly (training, which

@@ -68,9 +68,8 @@ class BenchConfig:
     dtype: str | None = None
     threads: int | None = None
     compile_verify: bool = False  # every method's verify through the static cache, compiled (CUDA graphs)
-    quantize: str | None = (
-        None  # "int8": the target's linear layers int8 weight-only (quantize.py), every method
-    )
+    # "int8": the target's linear layers int8 weight-only (quantize.py), for every method alike
+    quantize: str | None = None
     thinking: bool | None = None
     chat: bool = True
     save_outputs: bool = False
@@ -166,14 +165,11 @@ def validate_config(cfg: BenchConfig) -> None:
         raise BenchError(f"--dtype must be float32, bfloat16 or float16, got {cfg.dtype!r}")
     if cfg.pld_tokens < 1:
         raise BenchError(f"--pld-tokens must be at least 1, got {cfg.pld_tokens}")
-    if cfg.quantize is not None:
-        from ..quantize import QuantizeError, check_quantize
+    if cfg.quantize is not None:  # refused before any load, as every command does
+        from ..quantize import check_quantize
         from ..target import parse_device, parse_dtype
 
-        try:
-            check_quantize(cfg.quantize, parse_dtype(cfg.dtype), parse_device(cfg.device))
-        except QuantizeError as e:
-            raise BenchError(str(e)) from None
+        check_quantize(cfg.quantize, parse_dtype(cfg.dtype), parse_device(cfg.device))
 
 
 def _cpu_model() -> str:

@@ -28,7 +28,7 @@ from .config import (
     validate_config,
 )
 from .metrics import SampleRecord, add_speedups, first_difference, summarize_records
-from .mismatches import mismatch_entry, weigh_flips
+from .mismatches import mismatch_entry, verdict_counts, weigh_flips
 from .report import write_results
 
 
@@ -400,7 +400,6 @@ def _local_results(
         "warmup": cfg.warmup,
         "compile_verify": runner.target.compile_options is not None,
         "static_cache": bool(runner.target.static_cache),
-        "quantize": runner.target.quantize,
         "transformers_generation": runner.hf_generation_settings(),
     }
     return {
@@ -430,6 +429,7 @@ def _local_results(
             "reference": REFERENCE,
             "mismatches": len(mismatches),
             "compared": sum(1 for r in records if r.matches_reference is not None),
+            "verdicts": verdict_counts(mismatches),  # of the greedy flips weighed: near-ties, unexplained
             "details": mismatches,
         },
         "skipped": skipped,

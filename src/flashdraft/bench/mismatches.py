@@ -32,14 +32,14 @@ def plain_logits_at(
 ) -> dict[int, torch.Tensor]:
     """The logits plain decoding chose `reference_ids[i]` from, for each i in `positions`: one replay of `ar`
     (the prompt prefilled, then one token a step) as far as the last of them."""
-    wanted, out = set(positions), {}
+    wanted, last, out = set(positions), max(positions), {}
     device = target.device
     cache = target.new_cache()
     logits = target.forward(prompt_ids[:1].to(device), cache, last_logits_only=True).logits[0, -1]
-    for i in range(max(wanted) + 1):
+    for i in range(last + 1):
         if i in wanted:
             out[i] = logits
-        if i < max(wanted):
+        if i < last:
             token = torch.tensor([[reference_ids[i]]], device=device)
             logits = target.forward(token, cache, last_logits_only=True).logits[0, -1]
     return out

@@ -13,19 +13,25 @@ from rich.table import Table
 
 from .config import REFERENCE, BenchError
 from .metrics import SampleRecord
-from .mismatches import NEAR_TIE, UNEXPLAINED, verdict_counts
+from .mismatches import NEAR_TIE, UNEXPLAINED
 from .plots import plot_local, plot_server
+
+
+def _verdicts(eq: dict[str, Any]) -> tuple[int, int]:
+    """(near-ties, flips weighed) of a run's greedy mismatches; (0, 0) where none were weighed."""
+    counts = eq.get("verdicts") or {}
+    near, unexplained = counts.get(NEAR_TIE, 0), counts.get(UNEXPLAINED, 0)
+    return near, near + unexplained
 
 
 def _verdict_lines(eq: dict[str, Any]) -> list[str]:
     """What the near-tie test found (greedy runs): how many flips the rounding explains, how many it does not."""
-    counts = verdict_counts(eq["details"])
-    tested = counts[NEAR_TIE] + counts[UNEXPLAINED]
+    near, tested = _verdicts(eq)
     if not tested:
         return []
     return [
-        f"At the first differing token, {counts[NEAR_TIE]} of {tested} are **near-ties** and "
-        f"**{counts[UNEXPLAINED]} unexplained**: the plain margin (logit of ar's token minus the method's, from a "
+        f"At the first differing token, {near} of {tested} are **near-ties** and "
+        f"**{tested - near} unexplained**: the plain margin (logit of ar's token minus the method's, from a "
         "one-token step) against how far that step and a batched forward over the same prefix disagree there "
         "(step vs batched, the largest logit difference) or the dtype's rounding; a flip the margin exceeds "
         "is unexplained, which is what a bug looks like. Outputs that only end at another length are not tested.",
@@ -467,13 +473,8 @@ def print_summary(results: dict[str, Any]) -> None:
             out.print(table)
         eq = results["equality"]
         if eq["checked"] and eq["mismatches"]:
-            counts = verdict_counts(eq["details"])
-            tested = counts[NEAR_TIE] + counts[UNEXPLAINED]
-            why = (
-                f" ({counts[NEAR_TIE]} of {tested} near-ties, {counts[UNEXPLAINED]} unexplained)"
-                if tested
-                else ""
-            )
+            near, tested = _verdicts(eq)
+            why = f" ({near} of {tested} near-ties, {tested - near} unexplained)" if tested else ""
             out.print(f"[bold red]{eq['mismatches']} output(s) differ from ar[/]{why}; see report.md")
         elif eq["checked"]:
             out.print(f"all {eq['compared']} outputs identical to ar{_seed_note(eq)}")
