@@ -21,7 +21,7 @@ import time
 import torch
 
 from flashdraft import DFlashDraftModel, DFlashProposer, Target, generate, load_target
-from flashdraft.kv_cache import VerifyForward, compile_verify
+from flashdraft.compiled import VerifyForward, compile_verify
 from flashdraft.measure import median_seconds, static_decoder
 
 
@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="target dtype (default: bf16 on GPUs, fp32 on CPUs)")
     ap.add_argument("--json", default=None, help="also write the figures to this file")
     ap.add_argument(
-        "--compile", action="store_true", help="the static cache's verify, compiled (kv_cache.py)"
+        "--compile", action="store_true", help="the static cache's verify, compiled (compiled.py)"
     )
     ap.add_argument(
         "--draft-dtype",

@@ -4,6 +4,7 @@ needs) give every row exactly what plain decoding gives it."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -11,10 +12,11 @@ import torch
 
 from conftest import VOCAB, OracleProposer, hybrid_model
 from flashdraft import DFlashDraftModel, Target, generate_ar
+from flashdraft.compiled import compile_verify
 from flashdraft.engine import BatchDecoder
 from flashdraft.generate import generate, generate_batch, run
-from flashdraft.kv_cache import CAPACITY_STEP, VERIFY_BUCKETS, compile_verify, kv_layers, static_mask
-from flashdraft.measure import measure_costs
+from flashdraft.kv_cache import CAPACITY_STEP, VERIFY_BUCKETS, kv_layers, static_mask
+from flashdraft.measure import cost_key, measure_costs
 from flashdraft.proposers import PerRowProposers
 from flashdraft.sampling import SamplingParams
 
@@ -158,7 +160,12 @@ def test_dflash_generate_is_the_same_compiled(models):
     prompt = list(range(5, 30))
     reference = generate(Target(model), draft, prompt, max_new_tokens=40, stop_token_ids=[])
     target = Target(model)
-    assert compile_verify(target) is None and target.compile_options == {}  # on a CPU: inductor's default
+    assert compile_verify(target) is None  # on a CPU: inductor's C++ kernels, weights frozen
+    assert target.compile_options["options"]["freezing"] is True
+    # the cost model's cache key names the options the same in every process (no function address in it)
+    assert "skip_guard_on_all_nn_modules_unsafe" in json.dumps(
+        cost_key(target, draft)
+    ) and "0x" not in json.dumps(cost_key(target, draft))
     target.compile_options = EAGER_GRAPH
     for block_size in ("auto", 8):
         out = generate(target, draft, prompt, max_new_tokens=40, stop_token_ids=[], block_size=block_size)

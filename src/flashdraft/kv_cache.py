@@ -1,30 +1,28 @@
-"""The engine's KV cache, and the verify forward that can be captured as a CUDA graph.
+"""The engine's KV cache: the target's KV buffers and the drafter's context cache.
 
 Every KV layer of the engine's cache is a `KVBuffer`, in one of two modes:
 
     growing  (the default on a CPU) the columns in use of a buffer with room kept at the end: a verify writes its n
              columns in place instead of `torch.cat`-ing the whole cache of every layer, a rollback moves the length
-    static   (the default on a GPU, attention-only targets) a capacity fixed up front, as gpt-fast's and vLLM's:
-             a verify writes its columns where `StaticColumns.columns` says (a tensor, so the write is the same
-             kernel at every position) and the layer attends over the whole buffer under a [b, 1, n, capacity]
-             mask the engine builds (`static_mask`); the columns past the valid length are stale and masked. A
-             verify of n tokens by b rows has one shape per (b, n, capacity), the engine pads n to a few buckets,
-             and no position enters the graph: `VerifyForward` compiles it (`torch.compile(mode="reduce-overhead")`
-             on a GPU: a CUDA graph recorded per shape and replayed; a size seen to change is made symbolic, so a
-             handful of compiles serve them all), and a rollback is a length moved on the host.
+    static   (the default on a GPU, attention-only targets; `--compile` anywhere) a capacity fixed up front, as
+             gpt-fast's and vLLM's: a verify writes its columns where `StaticColumns.columns` says (a tensor, so the
+             write is the same kernel at every position) and the layer attends over the whole buffer under a
+             [b, 1, n, capacity] mask the engine builds (`static_mask`); the columns past the valid length are stale
+             and masked. A verify of n tokens by b rows has one shape per (b, n, capacity), the engine pads n to a
+             few buckets (`bucket`), no position enters the graph, and a rollback is a length moved on the host:
+             what compiled.py needs to compile the verify.
 
 The static mode serves attention-only targets without sliding windows; sliding-window and recurrent targets decode
 in the growing mode (their windows and recurrent states are rolled back by the engine, not by a length).
 
 The drafter's `DraftContextCache` follows the target: static beside a static target cache (capacity-wide buffers, the
 columns past those in use padding that the mask rule hides), so its block pass (`DFlashDraftModel.block_pass`) has
-one shape per (rows, capacity) and is compiled with the verify (`draft_block_pass`); the accepted context is written
-into it eagerly before (its length changes every step).
+one shape per (rows, capacity) and can be compiled with the verify; the accepted context is written into it eagerly
+before (its length changes every step).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +30,6 @@ from typing import Any
 import torch
 
 from .recurrent import has_kv, is_recurrent_layer
-from .target import TargetError
 
 VERIFY_BUCKETS = (1, 2, 4, 8, 16, 32)
 CAPACITY_STEP = 256  # static capacities are multiples of this (a new capacity is a new CUDA graph)
@@ -356,7 +353,7 @@ def static_refusal(target: Any) -> str | None:
     if family not in STATIC_FAMILIES:
         return f"a model family ({family}) the static cache is not verified on (it serves {', '.join(STATIC_FAMILIES)})"
     attention = getattr(target.model.config, "_attn_implementation", None)
-    if attention not in (None, "sdpa", "eager"):
+    if attention not in (None, "sdpa", "eager", "flashdraft"):
         return f"{attention} attention, which does not take the engine's mask"
     return None
 
@@ -372,41 +369,6 @@ def uses_static_cache(target: Any) -> bool:
     where the target allows it."""
     wanted = target.device.type == "cuda" if target.static_cache is None else target.static_cache
     return bool(wanted) and static_capable(target)
-
-
-def compile_verify(target: Any) -> str | None:
-    """Have the engine verify on `target` through the static cache, compiled: CUDA graphs on a GPU
-    (`mode="reduce-overhead"`), inductor's kernels on a CPU. Returns a one-line note when the target cannot take it
-    (it then decodes eagerly, as exactly)."""
-    reason = static_refusal(target)
-    if reason is not None:
-        return (
-            f"--compile: {target.name} has {reason}, which the static cache does not serve; decoding eagerly"
-        )
-    target.static_cache = True
-    target.compile_options = compile_options(target.device)
-    return None
-
-
-def compile_options(device: torch.device) -> dict[str, Any]:
-    """torch.compile's keywords for the verify: `$FLASHDRAFT_COMPILE` (a JSON object, e.g. {"backend": "cudagraphs"}
-    to capture graphs without inductor's code generation), else CUDA graphs of inductor's kernels on a GPU and
-    inductor's defaults on a CPU."""
-    import json
-    import os
-
-    env = os.environ.get("FLASHDRAFT_COMPILE")
-    if env:
-        try:
-            options = json.loads(env)
-        except ValueError:
-            options = None
-        if not isinstance(options, dict):
-            raise TargetError(
-                f"FLASHDRAFT_COMPILE must be a JSON object of torch.compile options, got {env!r}"
-            )
-        return options
-    return {"mode": "reduce-overhead"} if device.type == "cuda" else {}
 
 
 def reserve(cache: Any, columns: int, mark_static: bool = False) -> StaticColumns:
@@ -448,108 +410,3 @@ def bucket(n: int, block_size: int, buckets: Sequence[int]) -> int:
     """The verify length n is padded to: the next bucket, or the decoder's block if that is smaller (a fixed size
     too)."""
     return min(max(n, block_size), next((b for b in buckets if b >= n), n))
-
-
-class VerifyForward:
-    """The target's verify over a static cache, with its layer taps: (logits [b, n, V] fp32, taps [b, n, F]).
-    Compiled whole (fullgraph) with `compile_options` (torch.compile's keywords); on a GPU
-    `{"mode": "reduce-overhead"}` records a CUDA graph per shape. The taps are hooks registered once (hooks added and
-    removed per call would make every call a new graph)."""
-
-    def __init__(self, target: Any, tap_layer_ids: Sequence[int], compile_options: dict | None) -> None:
-        self.target = target
-        self.taps = tuple(tap_layer_ids)
-        self.compiled = compile_options is not None
-        self._captured: dict[int, torch.Tensor] = {}
-        for layer_id in dict.fromkeys(self.taps):
-            target.layers[layer_id].register_forward_hook(self._hook(layer_id))
-        fn = self._forward
-        if self.compiled:
-            fn = torch.compile(fn, fullgraph=True, **compile_options)
-        self._fn = fn
-
-    def _hook(self, layer_id: int):
-        def hook(_module, _args, output):
-            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
-
-        return hook
-
-    def _forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: Any
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        t = self.target
-        logits = t.model(input_ids=input_ids, **t.model_kwargs(cache, mask, position_ids)).logits.float()
-        taps = t._concat_taps(self._captured, self.taps) if self.taps else None
-        return logits, taps
-
-    @torch.no_grad()
-    def __call__(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: Any
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if not self.compiled:
-            return self._forward(input_ids, position_ids, mask, cache)
-        self._captured.clear()  # the hooks also fire in eager forwards (prefill): the graph always starts empty
-        # Fresh inputs: a graph is kept per stride and storage offset too, not only per shape.
-        logits, taps = _run_compiled(
-            self._fn, f"{self.target.name}'s verify", input_ids.clone(), position_ids.clone(), mask, cache
-        )
-        self._captured.clear()  # the graph's own memory: not held past the call
-        # A replayed graph writes its outputs into the same memory next time: keep copies.
-        return logits.clone(), None if taps is None else taps.clone()
-
-
-def verify_forward(target: Any, tap_layer_ids: Sequence[int]) -> VerifyForward:
-    """The `VerifyForward` for these taps, made once per model (its hooks are registered once; a compiled one keeps
-    its graphs), whichever `Target` wraps the model."""
-    key = (tuple(tap_layer_ids), repr(target.compile_options))
-    forwards = target.model.__dict__.setdefault("_flashdraft_verify_forwards", {})
-    if key not in forwards:
-        forwards[key] = VerifyForward(target, tap_layer_ids, target.compile_options)
-    return forwards[key]
-
-
-def draft_block_pass(draft: Any, target: Any) -> Any:
-    """The drafter's block pass compiled as the target's verify is (`target.compile_options`; None: eager), made
-    once per drafter and target. Its output is copied: a replayed graph writes into the same memory next time."""
-    if target.compile_options is None:
-        return None
-    passes = draft.__dict__.setdefault("_flashdraft_block_passes", {})
-    key = repr(target.compile_options)
-    if key in passes:
-        return passes[key]
-    compiled = torch.compile(draft.block_pass, fullgraph=True, **target.compile_options)
-
-    def run(*args: Any) -> torch.Tensor:
-        return _run_compiled(compiled, "the drafter's block pass", *args).clone()
-
-    passes[key] = run
-    return run
-
-
-def _run_compiled(fn: Any, what: str, *args: Any) -> Any:
-    """A compiled step; its failure (a graph break under fullgraph, no compiler for inductor, ...) is one line."""
-    if not getattr(_THREAD, "limit_raised", False):
-        _raise_recompile_limit()
-        _THREAD.limit_raised = True
-    try:
-        return fn(*args)
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TargetError(
-            f"--compile: torch.compile could not compile {what} ({type(e).__name__}: {first}); decode without "
-            "--compile"
-        ) from None
-
-
-_THREAD = threading.local()
-
-
-def _raise_recompile_limit() -> None:
-    """Room for the graphs a batch that changes size needs (dynamo's default is 8 per function). Set once in each
-    thread that compiles: dynamo's settings are per thread (the server decodes in its own)."""
-    config = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(config, name):
-            setattr(config, name, max(getattr(config, name), 256))
-    if hasattr(config, "accumulated_recompile_limit"):
-        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 1024)

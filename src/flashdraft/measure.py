@@ -52,16 +52,20 @@ def cpu_name() -> str:
 
 def cost_key(target: Any, draft: Any) -> dict[str, Any]:
     """What the timings depend on: machine, threads, library versions, model shapes and dtypes."""
+    from .compiled import options_key
     from .kv_cache import uses_static_cache
 
     device = target.device
     verify = {}
     if uses_static_cache(target):  # priced as the engine runs it: static cache, compiled or not
-        verify = {"verify": {"static_cache": True, "compile": repr(target.compile_options)}}
+        verify = {"verify": {"static_cache": True, "compile": options_key(target.compile_options)}}
     quantize = getattr(target, "quantize", None)  # int8 weights cost another price list than the bf16 ones
+    # attention.py's short-query attention (bf16 on a CPU) prices verifies unlike SDPA does
+    attention = getattr(getattr(target, "config", None), "_attn_implementation", None)
     return {
         **verify,
         **({"quantize": quantize} if quantize else {}),
+        **({"attention": attention} if attention == "flashdraft" else {}),
         "version": COST_MODEL_VERSION,
         "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
         "threads": torch.get_num_threads(),

@@ -36,9 +36,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .compiled import draft_block_pass
 from .costs import CostModel
 from .engine import GenerationError
-from .kv_cache import CAPACITY_STEP, draft_block_pass, uses_static_cache
+from .kv_cache import CAPACITY_STEP, uses_static_cache
 from .model import PAD_POSITION, DFlashDraftModel, DraftContextCache, block_inputs, draft_logits
 from .policy import AcceptanceTable, confidence_keys, confidence_table, expected_tokens
 from .sampling import DRAFT_STREAM, position_uniforms

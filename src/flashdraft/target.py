@@ -114,6 +114,11 @@ class Target:
 
         # "int8": its linear layers are quantize.Int8Linear (the cost model and the reports key on it)
         self.quantize: str | None = quantization_of(model)
+        from . import attention
+
+        # bf16 on a CPU: short queries (decode steps, verifies) through attention.py's batch-invariant products
+        if attention.wanted(model, self.dtype, self.device):
+            attention.use(model)
 
     def check_decodable(self) -> None:
         """Refuse, before anything is decoded, a target whose cache cannot be rolled back exactly (training, which

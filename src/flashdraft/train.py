@@ -201,11 +201,9 @@ class Trainer:
             )
         self.draft = draft.to(self.device).float().train()
         if config.compile:
-            from .kv_cache import compile_options
+            from .compiled import compile_options
 
-            options = {
-                k: v for k, v in compile_options(self.device).items() if k != "mode"
-            }  # no CUDA graphs:
+            options = compile_options(self.device, training=True)  # no CUDA graphs, nothing frozen:
             for layer in self.draft.layers:  # shapes change with every micro-batch
                 layer.compile(dynamic=None, **options)
         self.block_size = config.block_size

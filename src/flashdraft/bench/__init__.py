@@ -3,6 +3,7 @@
     config.py      methods, settings and their checks, the machine record
     metrics.py     τ, histograms, per-slot acceptance, TPOT, speedups
     local.py       the local backend (every method in this process)
+    llamacpp.py    llama.cpp's llama-server on the same weights (a GGUF), a baseline beside the local methods
     server.py      the OpenAI backend (any OpenAI-compatible server) and prometheus.py, its metrics reader
     report.py      results.json, report.md, the README block, the terminal summary; plots.py, the PNGs
 
@@ -14,6 +15,9 @@ prompt by prompt (and in a rotating order) so that machine drift hits all of the
     dflash  our DFlash engine (generate with the drafter)
     sd      transformers assisted generation with a small draft model sharing the target's tokenizer
     pld     transformers prompt-lookup decoding (`prompt_lookup_num_tokens`)
+    llamacpp, llamacpp-lookup, llamacpp-dflash
+            llama.cpp's plain decoding, prompt lookup and DFlash, one llama-server each (llamacpp.py); timed with the
+            server's own clocks, outputs not compared (another engine on another weight format)
 
 Timing. Every method reports the time to its first emitted token(s) (TTFT) and the time after it (the decode
 phase). For our engine TTFT is prefill + first token (`GenerationResult.prefill_s`). For transformers methods a

@@ -26,6 +26,9 @@ METHODS: dict[str, str] = {
     "dflash-pq": "dflash with drafts sampled from the drafter at T > 0 and speculative (p/q) rejection sampling",
     "sd": "transformers assisted generation with a small draft model",
     "pld": "transformers prompt-lookup decoding",
+    "llamacpp": "llama.cpp plain decoding: its llama-server on the same weights as a GGUF (--llamacpp-model)",
+    "llamacpp-lookup": "llama.cpp prompt lookup (llama-server --spec-type ngram-simple)",
+    "llamacpp-dflash": "llama.cpp DFlash (--spec-type draft-dflash) with the drafter as a GGUF (--llamacpp-draft)",
 }
 
 
@@ -35,6 +38,9 @@ DFLASH_METHODS = ("dflash", "dflash-fixed", "dflash-pq")
 # seed-keyed sampler), so their outputs are compared with ar's at every temperature. dflash-pq draws by rejection
 # (another law of the same distribution) and transformers' methods by torch's generator: compared at T=0 only.
 SEED_EXACT_METHODS = ("dflash", "dflash-fixed")
+
+# Another engine on another weight format: timed beside the others, its outputs not held to ar's (bench/llamacpp.py).
+LLAMACPP_METHODS = ("llamacpp", "llamacpp-lookup", "llamacpp-dflash")
 
 
 REFERENCE = "ar"  # the output every method must reproduce at T=0, and the first speedup baseline
@@ -77,6 +83,11 @@ class BenchConfig:
     plots: bool = True
     command: str | None = None
     show_progress: bool = True
+    llamacpp: str | None = None  # llama-server (a file or its directory); None: on PATH
+    llamacpp_model: str | None = None  # the target as a GGUF
+    llamacpp_draft: str | None = None  # the drafter as a GGUF (llama.cpp's converter), for llamacpp-dflash
+    llamacpp_draft_max: int | None = None  # llama-server --spec-draft-n-max (None: its default)
+    llamacpp_context: int = 4096
 
 
 @dataclass

@@ -15,6 +15,7 @@ from ..datasets import BenchDataset
 from ..progress import busy_machine_warning
 from .config import (
     DFLASH_METHODS,
+    LLAMACPP_METHODS,
     REFERENCE,
     SEED_EXACT_METHODS,
     BenchConfig,
@@ -77,8 +78,8 @@ class _ChunkTimer:
 class LocalMethods:
     """Loads the models once and runs any method on a prompt."""
 
-    def __init__(self, cfg: BenchConfig) -> None:
-        from ..kv_cache import compile_verify
+    def __init__(self, cfg: BenchConfig, out_dir: Path | None = None) -> None:
+        from ..compiled import compile_verify
         from ..model import DFlashDraftModel
         from ..target import load_target
 
@@ -124,6 +125,19 @@ class LocalMethods:
                     f"assistant {cfg.assistant!r} does not share the tokenizer of {cfg.target!r}: sd needs a "
                     "draft model of the same family"
                 )
+        self.llamacpp = None
+        llama = [m for m in cfg.methods if m in LLAMACPP_METHODS]
+        if llama:
+            from .llamacpp import LlamaCppMethods
+
+            logs = (out_dir or Path(".")) / "llamacpp"
+            console.print(f"starting llama.cpp for {', '.join(llama)} (logs in {logs})")
+            self.llamacpp = LlamaCppMethods(cfg, llama, logs)
+
+    def close(self) -> None:
+        """Stop what runs beside this process (llama.cpp's servers)."""
+        if self.llamacpp is not None:
+            self.llamacpp.close()
 
     @property
     def drafter_info(self) -> dict[str, Any] | None:
@@ -160,6 +174,12 @@ class LocalMethods:
     def run(self, method: str, input_ids: torch.Tensor, max_new_tokens: int, seed: int) -> RunOutput:
         if method in ("ar", *DFLASH_METHODS):
             return self._run_engine(method, input_ids, max_new_tokens, seed)
+        if method in LLAMACPP_METHODS:
+            got = self.llamacpp.servers[method].complete(
+                input_ids[0].tolist(), max_new_tokens, self.cfg.temperature, seed, self.stop_ids
+            )
+            return RunOutput(new_ids=got["new_ids"], ttft_s=got["ttft_s"], decode_s=got["decode_s"], first_chunk=1,
+                             step_tokens=[], stop_reason=got["stop_reason"])  # fmt: skip
         extra: dict[str, Any] = {}
         if method == "sd":
             extra["assistant_model"] = self.assistant.model
@@ -235,6 +255,10 @@ class LocalMethods:
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     """Run the local benchmark and write results.json, report.md and plots to `cfg.out_dir`; return the results."""
     validate_config(cfg)
+    if any(m in LLAMACPP_METHODS for m in cfg.methods):
+        from .llamacpp import check_config
+
+        check_config(cfg)
     datasets = load_datasets(cfg.datasets, cfg.max_samples, cfg.seed)
     previous_threads = torch.get_num_threads()
     if cfg.threads:
@@ -250,7 +274,16 @@ def _run_local(cfg: BenchConfig, datasets: list[BenchDataset]) -> dict[str, Any]
     out_dir = Path(cfg.out_dir) if cfg.out_dir else default_out_dir(cfg.datasets)
 
     console.print(f"loading {cfg.target}" + (f" + drafter {cfg.draft}" if cfg.draft else ""))
-    runner = LocalMethods(cfg)
+    runner = LocalMethods(cfg, out_dir)
+    try:
+        return _measure(cfg, datasets, runner, out_dir)
+    finally:
+        runner.close()
+
+
+def _measure(
+    cfg: BenchConfig, datasets: list[BenchDataset], runner: LocalMethods, out_dir: Path
+) -> dict[str, Any]:
     target, tokenizer = runner.target, runner.target.tokenizer
     greedy = cfg.temperature == 0
     records: list[SampleRecord] = []
@@ -325,7 +358,12 @@ def _run_local(cfg: BenchConfig, datasets: list[BenchDataset]) -> dict[str, Any]
                                     stop_reason=out.stop_reason,
                                     output_ids=out.new_ids,
                                 )
-                                if method != REFERENCE and (greedy or method in SEED_EXACT_METHODS):
+                                compared = method not in LLAMACPP_METHODS  # another engine, other weights
+                                if (
+                                    method != REFERENCE
+                                    and compared
+                                    and (greedy or method in SEED_EXACT_METHODS)
+                                ):
                                     rec.first_mismatch = first_difference(ref.new_ids, out.new_ids)
                                     rec.matches_reference = rec.first_mismatch is None
                                     if not rec.matches_reference:
@@ -401,6 +439,7 @@ def _local_results(
         "compile_verify": runner.target.compile_options is not None,
         "static_cache": bool(runner.target.static_cache),
         "transformers_generation": runner.hf_generation_settings(),
+        "llamacpp": runner.llamacpp.info() if runner.llamacpp is not None else None,
     }
     return {
         "kind": "flashdraft-bench",

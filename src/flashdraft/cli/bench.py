@@ -57,7 +57,11 @@ def bench_command(
     ] = None,
     draft: Annotated[str | None, typer.Option(help="DFlash drafter directory (method dflash)")] = None,
     methods: Annotated[
-        str, typer.Option(help="comma-separated: ar, hf, dflash, sd, pld (ar is always run)")
+        str,
+        typer.Option(
+            help="comma-separated: ar, hf, dflash, dflash-fixed, dflash-pq, sd, pld, llamacpp, llamacpp-lookup, "
+            "llamacpp-dflash (ar is always run)"
+        ),
     ] = "ar,hf,dflash",
     assistant: Annotated[
         str | None, typer.Option(help="small draft model for sd, same tokenizer as the target")
@@ -110,6 +114,19 @@ def bench_command(
     api_key: Annotated[
         str | None, typer.Option(help="openai backend: API key sent as a Bearer token")
     ] = None,
+    llamacpp: Annotated[
+        str | None, typer.Option(help="llamacpp methods: llama-server (file or directory; default: on PATH)")
+    ] = None,
+    llamacpp_model: Annotated[
+        str | None,
+        typer.Option(help="llamacpp methods: the target's weights as a GGUF (benchmarks/README.md)"),
+    ] = None,
+    llamacpp_draft: Annotated[
+        str | None, typer.Option(help="llamacpp-dflash: the drafter as a GGUF from llama.cpp's converter")
+    ] = None,
+    llamacpp_draft_max: Annotated[
+        int | None, typer.Option(help="llamacpp-dflash: tokens drafted per step (llama-server's default: 3)")
+    ] = None,
 ) -> None:
     """Measure acceptance length τ and speedup of ar / hf / dflash / sd / pld side by side, or benchmark a server."""
     from ..errors import print_error, user_errors
@@ -134,7 +151,8 @@ def bench_command(
                 max_samples=max_samples, max_new_tokens=max_new_tokens, temperature=temperature,
                 block_size=block_size, pld_tokens=pld_tokens, seed=seed, out_dir=out, device=device, dtype=dtype,
                 threads=threads, compile_verify=compile_verify, thinking=thinking, chat=chat, save_outputs=save_outputs, plots=plots,
-                command=command, quantize=quantize,
+                command=command, quantize=quantize, llamacpp=llamacpp, llamacpp_model=llamacpp_model,
+                llamacpp_draft=llamacpp_draft, llamacpp_draft_max=llamacpp_draft_max,
             )  # fmt: skip
             results = run_bench(cfg)
             if readme is not None:

@@ -30,7 +30,7 @@ QuantizeOption = Annotated[
 
 def compile_or_note(target: Any) -> None:
     """`--compile` on a loaded target: its verify compiled, or one line saying why it decodes eagerly."""
-    from ..kv_cache import compile_verify
+    from ..compiled import compile_verify
 
     note = compile_verify(target)
     if note:

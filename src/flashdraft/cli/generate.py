@@ -81,8 +81,8 @@ def generate_command(
     """Generate an answer with DFlash speculative decoding (lossless), streaming the text."""
     import torch
 
+    from ..compiled import compile_options
     from ..generate import GenerationError, generate, generate_ar
-    from ..kv_cache import compile_options
     from ..model import DFlashDraftModel, load_drafter_config
     from ..packs import resolve_model
     from ..progress import busy_machine_warning, quiet_libraries

@@ -1,0 +1,111 @@
+"""The attention a bf16 target runs on a CPU for short queries: decode steps and verifies.
+
+PyTorch's fused CPU attention (`scaled_dot_product_attention`) is slow in bf16 at a handful of queries: on a 2-core
+EPYC, SmolLM2-135M after 256 tokens, 90-140 µs per layer for one query and 275 µs for a verify of sixteen; the two
+plain products this module runs instead take 60-90 µs and about 110 µs. `short_query_attention` is transformers'
+eager attention (scores as a bf16 product, softmax in fp32, the probabilities back to bf16 for the product with the
+values) without copying the keys and values of grouped-query heads: the query heads that share a KV head are stacked
+into one matrix, so each KV head is one product. It is registered with transformers' `AttentionInterface` as
+"flashdraft" (masks built as for "sdpa") and serves queries of up to `SHORT_QUERY` tokens; longer ones (prefill) go
+to transformers' SDPA function unchanged.
+
+Its result for a query row does not depend on the rows beside it: the products go to oneDNN's bf16 kernel, which on
+the CPUs measured here reduces each output element in the same order whatever the number of rows, and the masked
+columns add exact zeros. With int8 weights, whose kernel is row-invariant too (quantize.py), a verify of n tokens
+then gives every token the bits a one-token step gives, and DFlash equals plain decoding bit for bit
+(tests/test_attention.py). In bf16 the MLP's down projection is not (oneDNN splits a reduction over 1,536 inputs
+differently for one row and for several), so bf16 outputs can still part from plain decoding on near-ties.
+Options it cannot honour (logit soft-capping, attention sinks, position biases) send the call to SDPA as well.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+NAME = "flashdraft"
+SHORT_QUERY = 64  # queries up to this many tokens per row take the short-query path
+_UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias")
+
+
+def short_query_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """query [b, h, n, d], key/value [b, kv_heads, L, d], mask (bool: True attends; float: added) broadcastable to
+    [b, h, n, L] or None (causal, the queries the last n positions) -> ([b, n, h, d], None)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    b, heads, n, d = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    if n > SHORT_QUERY or dropout or any(kwargs.get(k) is not None for k in _UNSUPPORTED) or heads % kv_heads:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    groups = heads // kv_heads
+    scale = d**-0.5 if scaling is None else scaling
+    # [b, kv, g*n, d]: head h uses KV head h // groups (transformers' repeat_kv)
+    scores = torch.matmul(query.reshape(b, kv_heads, groups * n, d), key.transpose(-1, -2))
+    scores = scores.view(b, kv_heads, groups, n, length) * scale
+    if attention_mask is None:
+        if n > 1 and getattr(module, "is_causal", True):  # query i is position L - n + i
+            keys = torch.arange(length, device=query.device)
+            sees = keys <= torch.arange(length - n, length, device=query.device)[:, None]
+            scores = scores.masked_fill(~sees, float("-inf"))
+    else:
+        mask = attention_mask[..., :length]
+        if mask.shape[1] == heads and heads > 1:
+            mask = mask.view(mask.shape[0], kv_heads, groups, mask.shape[2], length)
+        else:
+            mask = mask[:, :, None]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    out = torch.matmul(probs.view(b, kv_heads, groups * n, length), value)
+    return out.view(b, heads, n, d).transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Make "flashdraft" an attention implementation transformers knows (idempotent)."""
+    from transformers import AttentionInterface
+
+    if NAME in AttentionInterface._global_mapping:
+        return
+    AttentionInterface.register(NAME, short_query_attention)
+    try:
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError:  # transformers < 4.53 builds masks by implementation name elsewhere
+        return
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def wanted(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a target runs the short-query attention: bf16 on a CPU, where the model runs SDPA, unless
+    `$FLASHDRAFT_ATTENTION` is "sdpa" (transformers' SDPA function for every query, as before)."""
+    import os
+
+    if os.environ.get("FLASHDRAFT_ATTENTION", NAME) == "sdpa":
+        return False
+    attention = getattr(model.config, "_attn_implementation", None)
+    return device.type == "cpu" and dtype == torch.bfloat16 and attention in ("sdpa", NAME)
+
+
+def use(model: torch.nn.Module) -> None:
+    """Switch `model` (its sub-configs too) to the short-query attention."""
+    register()
+    for config in _configs(model.config):
+        if getattr(config, "_attn_implementation", None) == "sdpa":
+            config._attn_implementation = NAME
+
+
+def _configs(config: Any) -> list[Any]:
+    found = [config]
+    for name in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, name, None)
+        if sub is not None and hasattr(sub, "_attn_implementation"):
+            found.extend(_configs(sub))
+    return found

@@ -1,0 +1,188 @@
+"""The compiled decode path (`--compile`): the target's verify and the drafter's block pass, each compiled whole.
+
+`compile_verify` puts a target on the static cache (kv_cache.py: one shape per rows x verify length x capacity, no
+position inside a graph) and gives it torch.compile's options for its device:
+
+    GPU  `mode="reduce-overhead"`: inductor's kernels captured as a CUDA graph per shape and replayed.
+    CPU  inductor's C++ kernels with the weights frozen into the graph (`freezing`: constant-folded, prepacked),
+         and dynamo's guards on the model's modules skipped (`skip_guard_on_all_nn_modules_unsafe`: the target is
+         frozen, and checking its ~2,000 module guards cost 1.5 ms a step). Measured on a 2-core EPYC, SmolLM2-135M
+         int8, one token after 256 (benchmarks/README.md): eager 14.3 ms a step; compiled with inductor's defaults
+         11.0, without the module guards 9.3, frozen 8.8. `max_autotune` (inductor's C++ GEMM templates tried
+         against ATen per shape) took it to 8.3 but costs minutes per shape, so it is left to
+         `$FLASHDRAFT_COMPILE`.
+
+A size seen to change is made symbolic, so a handful of compiles serve every batch size, verify length and
+capacity. inductor caches what it compiled on disk (its FX graph and autotuning caches), so a second process starts
+in seconds rather than minutes. `$FLASHDRAFT_COMPILE` (a JSON object of torch.compile's keywords) replaces the
+options on either device.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .kv_cache import static_refusal
+from .target import TargetError
+
+
+def compile_verify(target: Any) -> str | None:
+    """Have the engine verify on `target` through the static cache, compiled: CUDA graphs on a GPU
+    (`mode="reduce-overhead"`), inductor's kernels on a CPU. Returns a one-line note when the target cannot take it
+    (it then decodes eagerly, as exactly)."""
+    reason = static_refusal(target)
+    if reason is not None:
+        return (
+            f"--compile: {target.name} has {reason}, which the static cache does not serve; decoding eagerly"
+        )
+    target.static_cache = True
+    target.compile_options = compile_options(target.device)
+    return None
+
+
+def compile_options(device: torch.device, training: bool = False) -> dict[str, Any]:
+    """torch.compile's keywords: `$FLASHDRAFT_COMPILE` (a JSON object, e.g. {"backend": "cudagraphs"} to capture
+    graphs without inductor's code generation), else for decoding CUDA graphs of inductor's kernels on a GPU and
+    frozen, autotuned C++ kernels on a CPU (the module docstring); for `training`, inductor's defaults (shapes
+    change with every micro-batch and weights with every step: no graphs, nothing frozen)."""
+    import json
+    import os
+
+    env = os.environ.get("FLASHDRAFT_COMPILE")
+    if env:
+        try:
+            options = json.loads(env)
+        except ValueError:
+            options = None
+        if not isinstance(options, dict):
+            raise TargetError(
+                f"FLASHDRAFT_COMPILE must be a JSON object of torch.compile options, got {env!r}"
+            )
+        return {k: v for k, v in options.items() if k != "mode"} if training else options
+    if training:
+        return {}
+    if device.type == "cuda":
+        return {"mode": "reduce-overhead"}
+    return {
+        "options": {
+            "freezing": True,
+            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+        }
+    }
+
+
+def options_key(options: dict[str, Any] | None) -> str:
+    """`options` as text that is the same in every process (a function by its name, not its address): what the
+    cost model is cached under."""
+    import json
+
+    return json.dumps(options, sort_keys=True, default=lambda o: getattr(o, "__qualname__", type(o).__name__))
+
+
+class VerifyForward:
+    """The target's verify over a static cache, with its layer taps: (logits [b, n, V] fp32, taps [b, n, F]).
+    Compiled whole (fullgraph) with `compile_options` (torch.compile's keywords); on a GPU
+    `{"mode": "reduce-overhead"}` records a CUDA graph per shape. The taps are hooks registered once (hooks added and
+    removed per call would make every call a new graph)."""
+
+    def __init__(self, target: Any, tap_layer_ids: Sequence[int], compile_options: dict | None) -> None:
+        self.target = target
+        self.taps = tuple(tap_layer_ids)
+        self.compiled = compile_options is not None
+        self._captured: dict[int, torch.Tensor] = {}
+        for layer_id in dict.fromkeys(self.taps):
+            target.layers[layer_id].register_forward_hook(self._hook(layer_id))
+        fn = self._forward
+        if self.compiled:
+            fn = torch.compile(fn, fullgraph=True, **compile_options)
+        self._fn = fn
+
+    def _hook(self, layer_id: int):
+        def hook(_module, _args, output):
+            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def _forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        t = self.target
+        logits = t.model(input_ids=input_ids, **t.model_kwargs(cache, mask, position_ids)).logits.float()
+        taps = t._concat_taps(self._captured, self.taps) if self.taps else None
+        return logits, taps
+
+    @torch.no_grad()
+    def __call__(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.compiled:
+            return self._forward(input_ids, position_ids, mask, cache)
+        self._captured.clear()  # the hooks also fire in eager forwards (prefill): the graph always starts empty
+        # Fresh inputs: a graph is kept per stride and storage offset too, not only per shape.
+        logits, taps = _run_compiled(
+            self._fn, f"{self.target.name}'s verify", input_ids.clone(), position_ids.clone(), mask, cache
+        )
+        self._captured.clear()  # the graph's own memory: not held past the call
+        # A replayed graph writes its outputs into the same memory next time: keep copies.
+        return logits.clone(), None if taps is None else taps.clone()
+
+
+def verify_forward(target: Any, tap_layer_ids: Sequence[int]) -> VerifyForward:
+    """The `VerifyForward` for these taps, made once per model (its hooks are registered once; a compiled one keeps
+    its graphs), whichever `Target` wraps the model."""
+    key = (tuple(tap_layer_ids), repr(target.compile_options))
+    forwards = target.model.__dict__.setdefault("_flashdraft_verify_forwards", {})
+    if key not in forwards:
+        forwards[key] = VerifyForward(target, tap_layer_ids, target.compile_options)
+    return forwards[key]
+
+
+def draft_block_pass(draft: Any, target: Any) -> Any:
+    """The drafter's block pass compiled as the target's verify is (`target.compile_options`; None: eager), made
+    once per drafter and target. Its output is copied: a replayed graph writes into the same memory next time."""
+    if target.compile_options is None:
+        return None
+    passes = draft.__dict__.setdefault("_flashdraft_block_passes", {})
+    key = repr(target.compile_options)
+    if key in passes:
+        return passes[key]
+    compiled = torch.compile(draft.block_pass, fullgraph=True, **target.compile_options)
+
+    def run(*args: Any) -> torch.Tensor:
+        return _run_compiled(compiled, "the drafter's block pass", *args).clone()
+
+    passes[key] = run
+    return run
+
+
+def _run_compiled(fn: Any, what: str, *args: Any) -> Any:
+    """A compiled step; its failure (a graph break under fullgraph, no compiler for inductor, ...) is one line."""
+    if not getattr(_THREAD, "limit_raised", False):
+        _raise_recompile_limit()
+        _THREAD.limit_raised = True
+    try:
+        return fn(*args)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TargetError(
+            f"--compile: torch.compile could not compile {what} ({type(e).__name__}: {first}); decode without "
+            "--compile"
+        ) from None
+
+
+_THREAD = threading.local()
+
+
+def _raise_recompile_limit() -> None:
+    """Room for the graphs a batch that changes size needs (dynamo's default is 8 per function). Set once in each
+    thread that compiles: dynamo's settings are per thread (the server decodes in its own)."""
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), 256))
+    if hasattr(config, "accumulated_recompile_limit"):
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 1024)
