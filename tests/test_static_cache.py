@@ -124,6 +124,36 @@ def test_compiled_verify_is_a_few_whole_graphs(models, temperature):
     assert 1 <= graphs <= 8 and len(shapes) >= 30, (graphs, len(shapes))  # each step at its own positions
 
 
+def test_on_a_cpu_another_capacity_or_verify_length_is_no_new_graph(models):
+    """On a CPU the rows, verify length and capacity are symbolic from the first compile: after one answer, prompts
+    whose caches get other capacities, and other verify lengths, reuse the graphs (a first start compiles once, not
+    again mid-answer)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = models["llama"]
+    draft = DFlashDraftModel.for_target(
+        model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1
+    ).eval()
+    target = Target(model)
+    target.static_cache, target.compile_options = True, EAGER_GRAPH
+    for block_size in (8, 4):
+        generate(
+            target, draft, list(range(5, 25)), max_new_tokens=30, stop_token_ids=[], block_size=block_size
+        )
+    generate_ar(target, list(range(5, 25)), 10, stop_token_ids=[])
+    first = counters["stats"]["unique_graphs"]
+    capacities = set()
+    for length, block_size in ((100, 8), (200, 4), (150, 6)):  # capacities 256, 512, 256 (256 before)
+        prompt = [5 + i % 80 for i in range(length)]
+        generate(target, draft, prompt, max_new_tokens=30, stop_token_ids=[], block_size=block_size)
+        plain = generate_ar(target, prompt, 10, stop_token_ids=[])
+        capacities.add(-(-int(1.25 * (length + 30 + 8)) // CAPACITY_STEP) * CAPACITY_STEP)
+        assert plain.new_tokens == generate_ar(Target(model), prompt, 10, stop_token_ids=[]).new_tokens
+    assert capacities == {256, 512}
+    assert counters["stats"]["unique_graphs"] == first
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize(("temperature", "kind"), [(0.0, "v1"), (0.8, "v1"), (0.0, "dflash2")])
 def test_a_drafter_beside_the_static_cache_decodes_rows_as_plain_decoding(

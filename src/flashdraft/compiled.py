@@ -7,15 +7,16 @@ position inside a graph) and gives it torch.compile's options for its device:
     CPU  inductor's C++ kernels with the weights frozen into the graph (`freezing`: constant-folded, prepacked),
          and dynamo's guards on the model's modules skipped (`skip_guard_on_all_nn_modules_unsafe`: the target is
          frozen, and checking its ~2,000 module guards cost 1.5 ms a step). Measured on a 2-core EPYC, SmolLM2-135M
-         int8, one token after 256 (benchmarks/README.md): eager 14.3 ms a step; compiled with inductor's defaults
-         11.0, without the module guards 9.3, frozen 8.8. `max_autotune` (inductor's C++ GEMM templates tried
-         against ATen per shape) took it to 8.3 but costs minutes per shape, so it is left to
-         `$FLASHDRAFT_COMPILE`.
+         int8, the forward of one token after 256 (benchmarks/README.md): eager 14.3 ms; compiled with inductor's
+         defaults 15.4 (SDPA's CPU kernel inside the graph), with attention.py's attention 11.0, without the module
+         guards 9.3, frozen 8.8. `max_autotune` (inductor's C++ GEMM templates tried against ATen per shape) took
+         it to 8.3 but costs minutes per shape, so it is left to `$FLASHDRAFT_COMPILE`.
 
-A size seen to change is made symbolic, so a handful of compiles serve every batch size, verify length and
-capacity. inductor caches what it compiled on disk (its FX graph and autotuning caches), so a second process starts
-in seconds rather than minutes. `$FLASHDRAFT_COMPILE` (a JSON object of torch.compile's keywords) replaces the
-options on either device.
+On a CPU the sizes that vary (rows, verify length, capacity) are symbolic from the first compile
+(`kv_cache.symbolic_sizes`), so a prompt of another length or a row joining mid-answer costs no compile; on a GPU
+dynamo makes a size symbolic once it has seen it change. inductor caches what it compiled on disk (its FX graph and
+autotuning caches), so a second process starts faster. `$FLASHDRAFT_COMPILE` (a JSON object of torch.compile's
+keywords) replaces the options on either device.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .kv_cache import static_refusal
+from .kv_cache import static_refusal, symbolic_sizes
 from .target import TargetError
 
 
@@ -123,8 +124,12 @@ class VerifyForward:
             return self._forward(input_ids, position_ids, mask, cache)
         self._captured.clear()  # the hooks also fire in eager forwards (prefill): the graph always starts empty
         # Fresh inputs: a graph is kept per stride and storage offset too, not only per shape.
+        input_ids, position_ids = input_ids.clone(), position_ids.clone()
+        for t in (input_ids, position_ids):
+            symbolic_sizes(t, 0, 1)  # rows, verify length
+        symbolic_sizes(mask, 0, 2, 3)  # rows, verify length, capacity
         logits, taps = _run_compiled(
-            self._fn, f"{self.target.name}'s verify", input_ids.clone(), position_ids.clone(), mask, cache
+            self._fn, f"{self.target.name}'s verify", input_ids, position_ids, mask, cache
         )
         self._captured.clear()  # the graph's own memory: not held past the call
         # A replayed graph writes its outputs into the same memory next time: keep copies.
@@ -152,7 +157,14 @@ def draft_block_pass(draft: Any, target: Any) -> Any:
         return passes[key]
     compiled = torch.compile(draft.block_pass, fullgraph=True, **target.compile_options)
 
-    def run(*args: Any) -> torch.Tensor:
+    def run(x, cos, sin, keys, values, masks, block_len) -> torch.Tensor:
+        for t in (x, cos, sin):
+            symbolic_sizes(t, 0)  # rows
+        for t in (*keys, *values):
+            symbolic_sizes(t, 0, 2)  # rows, capacity
+        for t in masks.values():
+            symbolic_sizes(t, 0, -1)  # rows, capacity + block
+        args = (x, cos, sin, keys, values, masks, block_len)
         return _run_compiled(compiled, "the drafter's block pass", *args).clone()
 
     passes[key] = run

@@ -362,7 +362,24 @@ class BatchDecoder:
         self._merge(cache, prompt_len, max_new_tokens)
         self.rows.append(row)
         self.proposer.add(row, out.features)
+        if self.static and self.verify.compiled and self.target.device.type == "cpu":
+            self._compile_ahead()
         return row
+
+    def _compile_ahead(self) -> None:
+        """Compiled on a CPU: the verify's two graphs with these taps (one token; 2-64 tokens, symbolic) made now, so
+        a step that first verifies one token (the policy's plain step) does not compile mid-answer. Their columns
+        are written past the valid length and dropped (a length moved back), as a rejected block's are."""
+        if getattr(self.verify, "ahead", False):
+            return
+        self.verify.ahead = True
+        columns = self.valid.shape[1]
+        device = self.target.device
+        last = torch.tensor([r.tokens[-1] for r in self.rows], device=device)[:, None]
+        starts = torch.tensor([r.anchor_position for r in self.rows], device=device)
+        for n in (1, 2):
+            self.forward_block(last.expand(-1, n), starts[:, None] + torch.arange(n, device=device))
+            set_length(self.cache, columns)
 
     def _merge(self, cache: Any, length: int, new_tokens: int) -> None:
         """Append a prefilled single-row cache: right-aligned, so every row's latest token sits in the last column."""
