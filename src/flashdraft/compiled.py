@@ -94,6 +94,9 @@ class VerifyForward:
         self.target = target
         self.taps = tuple(tap_layer_ids)
         self.compiled = compile_options is not None
+        self.compiled_ahead = (
+            False  # the engine compiled its graphs before the first step (engine._compile_ahead)
+        )
         self._captured: dict[int, torch.Tensor] = {}
         for layer_id in dict.fromkeys(self.taps):
             target.layers[layer_id].register_forward_hook(self._hook(layer_id))
@@ -139,7 +142,7 @@ class VerifyForward:
 def verify_forward(target: Any, tap_layer_ids: Sequence[int]) -> VerifyForward:
     """The `VerifyForward` for these taps, made once per model (its hooks are registered once; a compiled one keeps
     its graphs), whichever `Target` wraps the model."""
-    key = (tuple(tap_layer_ids), repr(target.compile_options))
+    key = (tuple(tap_layer_ids), options_key(target.compile_options))
     forwards = target.model.__dict__.setdefault("_flashdraft_verify_forwards", {})
     if key not in forwards:
         forwards[key] = VerifyForward(target, tap_layer_ids, target.compile_options)
@@ -152,16 +155,15 @@ def draft_block_pass(draft: Any, target: Any) -> Any:
     if target.compile_options is None:
         return None
     passes = draft.__dict__.setdefault("_flashdraft_block_passes", {})
-    key = repr(target.compile_options)
+    key = options_key(target.compile_options)
     if key in passes:
         return passes[key]
     compiled = torch.compile(draft.block_pass, fullgraph=True, **target.compile_options)
 
     def run(x, cos, sin, keys, values, masks, block_len) -> torch.Tensor:
+        # made this step (the context's K/V are marked where DraftContextCache makes them)
         for t in (x, cos, sin):
             symbolic_sizes(t, 0)  # rows
-        for t in (*keys, *values):
-            symbolic_sizes(t, 0, 2)  # rows, capacity
         for t in masks.values():
             symbolic_sizes(t, 0, -1)  # rows, capacity + block
         args = (x, cos, sin, keys, values, masks, block_len)

@@ -370,9 +370,9 @@ class BatchDecoder:
         """Compiled on a CPU: the verify's two graphs with these taps (one token; 2-64 tokens, symbolic) made now, so
         a step that first verifies one token (the policy's plain step) does not compile mid-answer. Their columns
         are written past the valid length and dropped (a length moved back), as a rejected block's are."""
-        if getattr(self.verify, "ahead", False):
+        if self.verify.compiled_ahead:
             return
-        self.verify.ahead = True
+        self.verify.compiled_ahead = True
         columns = self.valid.shape[1]
         device = self.target.device
         last = torch.tensor([r.tokens[-1] for r in self.rows], device=device)[:, None]

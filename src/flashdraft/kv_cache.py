@@ -304,8 +304,11 @@ class DraftContextCache:
                 store[i] = self._tag(t[idx])
 
     def _tag(self, buf: torch.Tensor) -> torch.Tensor:
-        if self.mark_static and self.capacity is not None:
+        if (
+            self.mark_static and self.capacity is not None
+        ):  # as the target's static buffers (`_static_buffer`)
             torch._dynamo.mark_static_address(buf)
+            symbolic_sizes(buf, 0, 2)
         return buf
 
     def keep_columns(self, order: torch.Tensor) -> None:

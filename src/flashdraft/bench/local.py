@@ -255,10 +255,9 @@ class LocalMethods:
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     """Run the local benchmark and write results.json, report.md and plots to `cfg.out_dir`; return the results."""
     validate_config(cfg)
-    if any(m in LLAMACPP_METHODS for m in cfg.methods):
-        from .llamacpp import check_config
+    from .llamacpp import check_config
 
-        check_config(cfg)
+    check_config(cfg)  # llama.cpp's GGUF files and server, where its methods run
     datasets = load_datasets(cfg.datasets, cfg.max_samples, cfg.seed)
     previous_threads = torch.get_num_threads()
     if cfg.threads:
