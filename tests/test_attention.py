@@ -148,3 +148,15 @@ def test_an_int8_verify_is_batch_invariant_and_dflash_equals_plain_bit_for_bit()
             got = generate(target, draft, prompt, 40, temperature=temperature, seed=5, stop_token_ids=[],
                            block_size=block_size)  # fmt: skip
             assert got.new_tokens == plain.new_tokens, (temperature, block_size)
+
+
+def test_values_narrower_than_keys():
+    """Multi-head latent attention (DeepSeek) has value heads of another width than query/key heads."""
+    q, k, _ = _qkv(1, 4, 2, 3, 9)
+    v = torch.randn(1, 2, 9, 8)
+    module = _Module(4, 2)
+    got, _ = attention.short_query_attention(module, q, k, v, None, scaling=0.25)
+    sees = _causal_after_cache(1, 3, 9)
+    want, _ = sdpa_attention_forward(module, q, k, v, sees, scaling=0.25)
+    assert got.shape == (1, 3, 4, 8)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)

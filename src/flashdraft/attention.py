@@ -66,7 +66,7 @@ def short_query_attention(
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
     out = torch.matmul(probs.view(b, kv_heads, groups * n, length), value)
-    return out.view(b, heads, n, d).transpose(1, 2).contiguous(), None
+    return out.view(b, heads, n, value.shape[-1]).transpose(1, 2).contiguous(), None  # MLA: v heads narrower
 
 
 def register() -> None:
