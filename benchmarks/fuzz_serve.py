@@ -26,7 +26,8 @@ FIELDS = [
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
     "stop", "seed", "stream", "stream_options", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias",
     "return_token_ids", "chat_template_kwargs", "return_meta_info", "tools", "response_format", "echo", "user",
-    "ignore_eos", "min_p", "unknown_field",
+    "ignore_eos", "min_p", "unknown_field", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "structured_outputs",
 ]  # fmt: skip
 
 
@@ -88,6 +89,35 @@ HARD_CASES = [
     ("seed beyond 2^64", {"seed": 2**70, "temperature": 0.7}),
     ("unknown model", {"model": "gpt-9"}),
     ("prompt past the context", {"max_tokens": 10**7}),
+    ("json_object", {"response_format": {"type": "json_object"}}),
+    (
+        "schema with a bad type",
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "objec"}},
+            }
+        },
+    ),
+    ("schema with a lookbehind pattern", {"guided_json": {"type": "string", "pattern": "(?<=a)b"}}),
+    ("unclosed regex", {"guided_regex": "a(b"}),
+    ("regex no token spells", {"guided_regex": "\\x00\\x01\\x02"}),
+    ("empty choice", {"guided_choice": []}),
+    ("undefined grammar rule", {"guided_grammar": "root ::= foo"}),
+    ("two constraints", {"guided_regex": "[0-9]+", "guided_choice": ["a", "b"]}),
+    ("structured_outputs unknown key", {"structured_outputs": {"xml": "<a/>"}}),
+    (
+        "deeply nested schema",
+        {
+            "guided_json": {
+                "type": "array",
+                "items": {
+                    "type": "array",
+                    "items": {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
+                },
+            }
+        },
+    ),
 ]
 
 

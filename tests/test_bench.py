@@ -321,8 +321,8 @@ def test_sampled_bench_compares_the_seed_exact_methods(tiny, tmp_path):
 def test_mismatch_is_counted_and_shown(tiny, tmp_path, monkeypatch):
     original = LocalMethods.run
 
-    def corrupt_pld(self, method, input_ids, max_new_tokens, seed):
-        out = original(self, method, input_ids, max_new_tokens, seed)
+    def corrupt_pld(self, method, input_ids, max_new_tokens, seed, *rest):
+        out = original(self, method, input_ids, max_new_tokens, seed, *rest)
         if method == "pld":
             out.new_ids = out.new_ids[:2] + [(out.new_ids[2] + 1) % 90] + out.new_ids[3:]
         return out

@@ -33,7 +33,9 @@ def dirs(tmp_path_factory):
     DFlashDraftModel.for_target(other, num_layers=1, block_size=8, mask_token_id=VOCAB - 1).save_pretrained(
         wrong
     )
-    return {"target": target, "draft": draft, "wrong": wrong}
+    bad_schema = root / "schema.json"
+    bad_schema.write_text("{not json")
+    return {"target": target, "draft": draft, "wrong": wrong, "bad_schema": bad_schema}
 
 
 @pytest.fixture
@@ -71,6 +73,9 @@ CASES = [
     ({"--draft": "WRONG"}, "hidden size 128"),
     ({"--quantize": "int4"}, "--quantize must be one of int8, got 'int4'"),
     ({"--quantize": "int8", "--dtype": "float32"}, "--quantize int8 runs bf16 activations"),
+    ({"--regex": "[0-9]+", "--choice": "yes"}, "--regex and --choice both constrain the output: give one"),
+    ({"--json-schema": "BAD_SCHEMA"}, "the JSON schema is not valid JSON"),
+    ({"--json-schema": "/no/such/schema.json"}, "No such file"),
 ]
 if not torch.cuda.is_available():
     CASES.append(({"--device": "cuda"}, "sees no CUDA GPU"))
@@ -79,7 +84,11 @@ if not torch.cuda.is_available():
 @pytest.mark.parametrize(("change", "message"), CASES, ids=[c[1][:20] for c in CASES])
 def test_generate_bad_input_is_one_line_before_any_load(dirs, no_model_load, change, message):
     change = {
-        k: {"DRAFT_FILE": str(dirs["draft"] / "model.safetensors"), "WRONG": str(dirs["wrong"])}.get(v, v)
+        k: {
+            "DRAFT_FILE": str(dirs["draft"] / "model.safetensors"),
+            "WRONG": str(dirs["wrong"]),
+            "BAD_SCHEMA": str(dirs["bad_schema"]),
+        }.get(v, v)  # fmt: skip
         for k, v in change.items()
     }
     result = CliRunner().invoke(app, ["generate", *_generate_args(dirs, **change), "What is 2+2?"])

@@ -109,7 +109,44 @@ json_values = st.recursive(
 )
 FIELDS = ["model", "messages", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream",
           "stream_options", "presence_penalty", "logprobs", "logit_bias", "return_token_ids", "chat_template_kwargs",
-          "return_meta_info", "tools", "response_format", "echo"]  # fmt: skip
+          "return_meta_info", "tools", "response_format", "echo", "guided_json", "guided_regex", "guided_choice",
+          "guided_grammar", "structured_outputs"]  # fmt: skip
+# Structured-output fields shaped like what clients send, with random parts: schemas, regexes and grammars that may
+# or may not compile. Never a 5xx, never a crash of the grammar compiler.
+schema_like = st.recursive(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["string", "integer", "number", "boolean", "null", "objec"])}
+    )
+    | st.fixed_dictionaries({"enum": st.lists(json_values, max_size=3)})
+    | st.fixed_dictionaries({"type": st.just("string"), "pattern": st.text(max_size=6)}),
+    lambda inner: (
+        st.fixed_dictionaries(
+            {
+                "type": st.just("object"),
+                "properties": st.dictionaries(st.text(max_size=4), inner, max_size=3),
+            },
+            optional={"required": st.lists(st.text(max_size=4), max_size=2)},
+        )
+        | st.fixed_dictionaries(
+            {"type": st.just("array"), "items": inner}, optional={"minItems": st.integers(-2, 3)}
+        )
+    ),
+    max_leaves=5,
+)
+structured = st.one_of(
+    st.fixed_dictionaries({"response_format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema", "yaml"])},
+        optional={"json_schema": st.fixed_dictionaries({"name": st.text(max_size=4)},
+                                                       optional={"schema": schema_like | json_values})})}),
+    st.fixed_dictionaries({"guided_json": schema_like | json_values}),
+    st.fixed_dictionaries({"guided_regex": st.text(alphabet="ab()[]*+?|{}\\.^$0-9w", max_size=8) | json_values}),
+    st.fixed_dictionaries({"guided_choice": st.lists(st.text(max_size=4), max_size=3) | json_values}),
+    st.fixed_dictionaries({"guided_grammar": st.sampled_from(["root ::= \"w5\"", "root ::= foo", "start: \"w5\"",
+                                                              "root ::= [", ""]) | json_values}),
+    st.fixed_dictionaries({"structured_outputs": st.dictionaries(
+        st.sampled_from(["json", "regex", "choice", "grammar", "json_object", "xml"]), json_values | schema_like,
+        max_size=2)}),
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +189,21 @@ def test_random_request_bodies_never_get_a_5xx(client, endpoint, body, keep):
     if r.status_code >= 400:
         error = r.json()["error"]
         assert error["message"] and error["type"]
+
+
+@SETTINGS
+@given(endpoint=st.sampled_from(["/v1/chat/completions", "/v1/completions"]), fields=structured)
+def test_random_structured_output_fields_never_get_a_5xx(client, endpoint, fields):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "w7"}], "prompt": "w7", "max_tokens": 4}
+    r = client.post(
+        endpoint, content=json.dumps({**body, **fields}), headers={"content-type": "application/json"}
+    )
+    assert r.status_code < 500, (fields, r.text)
+    if r.status_code >= 400:
+        error = r.json()["error"]
+        assert error["message"] and "\n" not in error["message"]
+    else:
+        assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
 
 def test_the_server_answers_the_same_after_random_bodies(client):

@@ -241,10 +241,11 @@ def test_sigterm_drains_in_flight_requests_then_exits(models, tmp_path):
             "tools",
         ),  # fmt: skip
         (
-            {"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_object"}},
+            {"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_schema"}},
             400,
-            "response_format",
+            "response_format: response_format of type json_schema needs a 'json_schema' object",
         ),
+        ({"model": MODEL, "messages": MESSAGES, "guided_regex": "a(b"}, 400, "guided_regex: invalid regex"),
         ({"model": MODEL, "messages": MESSAGES, "repetition_penalty": 1.2}, 400, "repetition_penalty"),
         ({"model": MODEL, "messages": MESSAGES, "min_p": 0.1}, 400, "min_p"),
         ({"model": MODEL, "messages": MESSAGES, "ignore_eos": True}, 400, "ignore_eos"),

@@ -2,6 +2,7 @@
 
 from .config import DFlashConfig, DFlashConfigError, build_target_layer_ids
 from .generate import GenerationError, GenerationResult, generate, generate_ar, generate_batch
+from .grammar import Constraint, GrammarError
 from .model import DFlashCheckpointError, DFlashDraftModel, DraftContextCache
 from .proposers import DFlashProposer, NoProposer, Proposer
 from .sampling import SamplingError, SamplingParams
@@ -26,6 +27,8 @@ __all__ = [
     "Target",
     "TargetError",
     "build_target_layer_ids",
+    "Constraint",
+    "GrammarError",
     "generate",
     "generate_ar",
     "generate_batch",

@@ -89,6 +89,8 @@ SHIPPED_DATASETS: dict[str, _Shipped] = {
     "gsm8k": _Shipped("gsm8k_test.jsonl", lambda c: [format_math(c.user_turns[0])]),
     "humaneval": _Shipped("humaneval.jsonl.gz", lambda c: [format_humaneval(c.user_turns[0])]),
     "mt-bench": _Shipped("mt_bench_questions.jsonl", lambda c: list(c.user_turns)),
+    # Structured output: each record carries the response_format it is decoded under (benchmarks/make_structured_set.py)
+    "structured": _Shipped("structured.jsonl", lambda c: list(c.user_turns)),
 }
 
 _HUB_DATASETS: dict[str, _HubSpec] = {

@@ -4,6 +4,8 @@
     propose   a BatchProposer gives each row its proposals (ragged; shorter rows are padded, and the padding is
               verified like any proposal, so it can only add tokens)
     verify    target(block [b, n], position ids per row, a [b, cached + n] validity mask): ONE forward for all rows
+    constrain rows with a grammar (structured output): their logits masked position by position along their block
+              by the grammar's state after the drafts before it (grammar.py); free rows are untouched
     accept    per row: verify_block on its logits, with its own sampling parameters and seed; stop and length cuts
     roll back KV: the cache keeps the columns some row still needs, a row's rejected columns become holes in its
               mask; recurrent state: each row keeps its accepted prefix (`Target.keep`: replay or stepwise)
@@ -33,12 +35,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from numbers import Integral
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .compiled import verify_forward
+from .grammar import Constraint, RowGrammar, compile_constraint, mask_logits
 from .kv_cache import (
     VERIFY_BUCKETS,
     batch_cache,
@@ -51,6 +53,7 @@ from .kv_cache import (
     uses_static_cache,
 )
 from .recurrent import append_rows, has_kv, is_recurrent_layer, select_rows
+from .request import GenerationError, GenerationResult, check_request
 from .sampling import (
     ACCEPT_STREAM,
     SamplingParams,
@@ -66,136 +69,6 @@ if TYPE_CHECKING:
     from .proposers import BatchProposer
 
 
-class GenerationError(ValueError):
-    """Invalid generation request (batch, lengths, block size)."""
-
-
-@dataclass
-class GenerationResult:
-    sequences: torch.Tensor  # [1, prompt + new] like transformers' generate
-    prompt_length: int
-    acceptance_lengths: list[int] = field(
-        default_factory=list
-    )  # tokens emitted per verify step, bonus included
-    draft_lengths: list[int] = field(default_factory=list)  # drafts proposed per verify step
-    accepted_drafts: list[int] = field(
-        default_factory=list
-    )  # drafts accepted per step (before stop/length cuts)
-    prefill_s: float = 0.0  # prefill + first token
-    decode_s: float = 0.0  # every verify step after that
-    stop_reason: str = "max_new_tokens"
-    proposer_stats: dict[str, Any] = field(
-        default_factory=dict
-    )  # e.g. steps by source for the adaptive proposer
-
-    @property
-    def new_tokens(self) -> list[int]:
-        return self.sequences[0, self.prompt_length :].tolist()
-
-    @property
-    def num_new_tokens(self) -> int:
-        return self.sequences.shape[1] - self.prompt_length
-
-    @property
-    def num_steps(self) -> int:
-        return len(self.acceptance_lengths)
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """τ: mean tokens per verify step (1.0 for plain decoding)."""
-        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
-
-    @property
-    def total_s(self) -> float:
-        return self.prefill_s + self.decode_s
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.num_new_tokens / self.total_s if self.total_s > 0 else 0.0
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        """Tokens from the decode phase per second (the first token comes from prefill)."""
-        n = self.num_new_tokens - 1
-        return n / self.decode_s if self.decode_s > 0 and n > 0 else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "num_new_tokens": self.num_new_tokens,
-            "num_steps": self.num_steps,
-            "mean_acceptance_length": self.mean_acceptance_length,
-            "acceptance_lengths": self.acceptance_lengths,
-            "draft_lengths": self.draft_lengths,
-            "accepted_drafts": self.accepted_drafts,
-            "prefill_s": self.prefill_s,
-            "decode_s": self.decode_s,
-            "tokens_per_s": self.tokens_per_s,
-            "decode_tokens_per_s": self.decode_tokens_per_s,
-            "stop_reason": self.stop_reason,
-            "proposer_stats": self.proposer_stats,
-        }
-
-
-def as_target(target: Target | Any) -> Target:
-    return target if isinstance(target, Target) else Target(target)
-
-
-def _as_input_ids(input_ids: torch.Tensor | Sequence[int], device: torch.device) -> torch.Tensor:
-    if isinstance(input_ids, (str, bytes)):
-        raise GenerationError(
-            "input_ids must be token ids, not text: encode the prompt first, e.g. target.encode_prompt(text)"
-        )
-    if isinstance(input_ids, torch.Tensor):
-        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
-            raise GenerationError(
-                f"input_ids must be an integer tensor of token ids, got dtype {input_ids.dtype}"
-            )
-        ids = input_ids.long()
-    else:
-        rows = input_ids if len(input_ids) and isinstance(input_ids[0], (list, tuple)) else [input_ids]
-        bad = next(
-            (t for row in rows for t in row if isinstance(t, bool) or not isinstance(t, Integral)), None
-        )
-        if bad is not None:
-            raise GenerationError(
-                f"input_ids must be integer token ids, found {bad!r} ({type(bad).__name__})"
-            )
-        try:
-            ids = torch.tensor(input_ids, dtype=torch.long)
-        except (ValueError, TypeError) as e:
-            raise GenerationError(f"input_ids must be a [n] or [1, n] list of token ids: {e}") from None
-    if ids.dim() == 1:
-        ids = ids[None]
-    if ids.dim() != 2:
-        raise GenerationError(f"input_ids must be [1, n] or [n], got shape {tuple(ids.shape)}")
-    if ids.shape[0] != 1:
-        raise GenerationError(
-            f"batch size {ids.shape[0]}: generate() decodes one sequence; use generate_batch() for several prompts"
-        )
-    if ids.shape[1] == 0:
-        raise GenerationError("the prompt is empty")
-    return ids.to(device)
-
-
-def check_request(
-    target: Target, input_ids: torch.Tensor | Sequence[int], max_new_tokens: int
-) -> torch.Tensor:
-    """The prompt as a [1, n] id tensor on the target's device, after the checks every request gets."""
-    target.check_decodable()
-    ids = _as_input_ids(input_ids, target.device)
-    prompt_len = ids.shape[1]
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise GenerationError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if prompt_len + max_new_tokens > target.max_context:
-        raise GenerationError(
-            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the target's context of "
-            f"{target.max_context} tokens"
-        )
-    if int(ids.max()) >= target.vocab_size or int(ids.min()) < 0:
-        raise GenerationError(f"prompt holds token ids outside the vocabulary (0..{target.vocab_size - 1})")
-    return ids
-
-
 def cut_emitted(emitted: list[int], remaining: int, stops: set[int]) -> tuple[list[int], bool]:
     """A step's emitted tokens cut to the `remaining` budget and after the first stop token (which a stop ends the
     output inside an accepted run with); returns (tokens kept, whether a stop token ended them)."""
@@ -204,26 +77,6 @@ def cut_emitted(emitted: list[int], remaining: int, stops: set[int]) -> tuple[li
         if tok in stops:
             return emitted[: i + 1], True
     return emitted, False
-
-
-def check_block_size(block_size: int | str | None, max_block_size: int | None) -> int | None:
-    """The verify length (anchor included) as the engine takes it: None for "auto" (the cost-aware policy chooses per
-    step), else an integer in 1..max_block_size (the drafter's trained block; None: no drafter to bound it). The one
-    check from the command line (`--block-size`) to the engine."""
-    if block_size is None or (isinstance(block_size, str) and block_size.strip().lower() == "auto"):
-        return None
-    if isinstance(block_size, str):
-        try:
-            block_size = int(block_size)
-        except ValueError:
-            raise GenerationError(f"block_size must be 'auto' or an integer, got {block_size!r}") from None
-    if not isinstance(block_size, Integral) or isinstance(block_size, bool) or block_size < 1:
-        raise GenerationError(f"block_size must be 'auto' or a positive integer, got {block_size!r}")
-    if max_block_size is not None and block_size > max_block_size:
-        raise GenerationError(
-            f"block_size must be between 1 and the drafter's block size {max_block_size}, got {block_size}"
-        )
-    return int(block_size)
 
 
 def _sync(device: torch.device) -> None:
@@ -247,6 +100,7 @@ class BatchRow:
     done: bool = False
     started: float = 0.0  # when its prefill ended (its decode time counts from there)
     tag: Any = None  # the caller's (e.g. the server's request handle)
+    grammar: RowGrammar | None = None  # structured output: the row's matcher (grammar.py)
 
     @property
     def anchor_position(self) -> int:
@@ -328,24 +182,36 @@ class BatchDecoder:
         seed: int | None = None,
         on_tokens: Callable[[list[int]], Any] | None = None,
         tag: Any = None,
+        constraint: Constraint | None = None,
     ) -> BatchRow:
         """Prefill a new row and put it in the batch (unless its first token already ends it: then it is
-        returned done and never joins)."""
+        returned done and never joins). `constraint`: the output must match it (structured output, grammar.py);
+        an invalid one raises GrammarError before any decoding."""
         if self.full:
             raise GenerationError(f"the batch is full ({self.max_batch_size} rows)")
         ids = check_request(self.target, input_ids, max_new_tokens)
+        grammar = None if constraint is None else RowGrammar(compile_constraint(self.target, constraint))
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())
         stops = set(self.target.eos_token_ids if stop_token_ids is None else stop_token_ids)
-        row = BatchRow(ids, max_new_tokens, sampling, stops, seed, on_tokens, tag=tag)
+        row = BatchRow(ids, max_new_tokens, sampling, stops, seed, on_tokens, tag=tag, grammar=grammar)
         _sync(self.target.device)
         t0 = time.perf_counter()
         cache = batch_cache(self.target)
         out = self.target.forward(ids, cache, self.proposer.tap_layer_ids, last_logits_only=True)
         prompt_len = ids.shape[1]
-        first = sample_token(out.logits[0, -1], sampling, row.uniforms(prompt_len, 1), prompt_len)
+        last = out.logits[:, -1:].contiguous()
+        if grammar is not None and mask_logits(last, {0: []}, {0: grammar}):
+            row.result = GenerationResult(sequences=ids, prompt_length=prompt_len)
+            row.started = time.perf_counter()
+            row.result.prefill_s = row.started - t0
+            row.finish("no_allowed_token")  # the grammar allows no first token with this tokenizer
+            return row
+        first = sample_token(last[0, 0], sampling, row.uniforms(prompt_len, 1), prompt_len)
         row.tokens.append(first)
         row.history.extend([*ids[0].tolist(), first])
+        if grammar is not None:
+            grammar.advance([first])
         _sync(self.target.device)
         row.started = time.perf_counter()
         row.result = GenerationResult(sequences=ids, prompt_length=prompt_len, prefill_s=row.started - t0)
@@ -514,6 +380,18 @@ class BatchDecoder:
             position_ids=None if mask is None else positions,
         )
 
+    @staticmethod
+    def _constrain(rows: list[BatchRow], block: torch.Tensor, out: TargetOutput) -> dict[int, int]:
+        """Structured output: each constrained row's logits masked by its grammar along its block (grammar.py);
+        returns the rows whose grammar allows no token at some position, and that position."""
+        grammars = {i: r.grammar for i, r in enumerate(rows) if r.grammar is not None}
+        if not grammars:
+            return {}
+        if not out.logits.is_contiguous():
+            out.logits = out.logits.contiguous()
+        drafts = block[list(grammars), 1:].tolist()
+        return mask_logits(out.logits, dict(zip(grammars, drafts, strict=True)), grammars)
+
     @torch.no_grad()
     def step(self) -> list[BatchRow]:
         """Propose, verify and accept once for every row; returns the rows that finished (and left)."""
@@ -537,6 +415,9 @@ class BatchDecoder:
         positions = starts[:, None] + torch.arange(n, device=device)
         t0 = time.perf_counter()
         out = self.forward_block(block, positions)
+        t_grammar = time.perf_counter()
+        dead = self._constrain(rows, block, out)
+        t_grammar = time.perf_counter() - t_grammar
 
         kept = torch.zeros(len(rows), n, dtype=torch.bool)
         finished, features, own_accepted, kept_counts = [], [], [], []
@@ -569,11 +450,19 @@ class BatchDecoder:
                     row.uniforms(row.anchor_position + 1, n),
                     row.anchor_position + 1,
                 )
+            reason = None
+            if i in dead and dead[i] <= accepted:  # the grammar allows no token there: the row ends before it
+                accepted, emitted, reason = dead[i], emitted[: dead[i]], "no_allowed_token"
             own_accepted.append(min(accepted, real))
             emitted, stopped = cut_emitted(emitted, remaining[i], row.stops)
-            reason = "stop_token" if stopped else None
+            if stopped:
+                reason = "stop_token"
             row.tokens.extend(emitted)
             row.history.extend(emitted)
+            if row.grammar is not None:
+                t = time.perf_counter()
+                row.grammar.advance(emitted)
+                row.result.grammar_s += t_grammar + time.perf_counter() - t
             res = row.result
             res.acceptance_lengths.append(len(emitted))
             res.draft_lengths.append(real)
@@ -610,12 +499,4 @@ class BatchDecoder:
         return finished
 
 
-__all__ = [
-    "BatchDecoder",
-    "BatchRow",
-    "GenerationError",
-    "GenerationResult",
-    "check_block_size",
-    "check_request",
-    "cut_emitted",
-]
+__all__ = ["BatchDecoder", "BatchRow", "cut_emitted"]

@@ -15,14 +15,15 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from .config import DFlashConfigError
     from .data import DataError
     from .datasets import DatasetError
-    from .engine import GenerationError
     from .extras import MissingExtraError
+    from .grammar import GrammarError
     from .memory_plan import PlanError
     from .model import DFlashCheckpointError
     from .packs import PackError
     from .prompts import PromptFormatError
     from .quantize import QuantizeError
     from .remote import RemoteError
+    from .request import GenerationError
     from .sampling import SamplingError
     from .target import TargetError
     from .train import TrainError
@@ -35,6 +36,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
         DFlashCheckpointError,
         RemoteError,
         GenerationError,
+        GrammarError,
         PackError,
         PromptFormatError,
         QuantizeError,

@@ -3,6 +3,7 @@
 [serve]  fastapi, uvicorn, prometheus-client     `flashdraft serve`
 [packs]  gguf, accelerate                        converting the offline model packs
 [bench]  matplotlib                              benchmark plots
+[structured]  xgrammar                           structured output (response_format, guided_*; grammar.py)
 """
 
 from __future__ import annotations

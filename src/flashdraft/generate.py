@@ -22,14 +22,8 @@ from typing import Any
 import torch
 
 from .costs import CostModel
-from .engine import (
-    BatchDecoder,
-    GenerationError,
-    GenerationResult,
-    as_target,
-    check_block_size,
-    check_request,
-)
+from .engine import BatchDecoder
+from .grammar import Constraint, compile_constraint, constraint_from_response_format
 from .measure import load_or_measure_costs
 from .model import DFlashDraftModel
 from .proposers import (
@@ -40,6 +34,7 @@ from .proposers import (
     PerRowProposers,
     Proposer,
 )
+from .request import GenerationError, GenerationResult, as_target, check_block_size, check_request
 from .sampling import SamplingParams
 from .target import Target, TargetError
 
@@ -85,19 +80,43 @@ def run(
     stop_token_ids: Sequence[int] | None,
     seeds: Sequence[int | None],
     on_tokens: Callable[[list[int]], Any] | None = None,
+    constraints: Sequence[Constraint | None] | None = None,
 ) -> list[GenerationResult]:
     """Decode the prompts to the end on `decoder`; waiting prompts join as rows finish (continuous batching)."""
     results: list[GenerationResult | None] = [None] * len(prompts)
     waiting = list(range(len(prompts)))
+    constraints = constraints or [None] * len(prompts)
     while waiting or len(decoder):
         while waiting and not decoder.full:
             i = waiting.pop(0)
-            row = decoder.add(prompts[i], limits[i], sampling, stop_token_ids, seeds[i], on_tokens, tag=i)
+            row = decoder.add(
+                prompts[i],
+                limits[i],
+                sampling,
+                stop_token_ids,
+                seeds[i],
+                on_tokens,
+                tag=i,
+                constraint=constraints[i],
+            )
             if row.done:
                 results[i] = row.result
         for row in decoder.step():
             results[row.tag] = row.result
     return results  # type: ignore[return-value]
+
+
+def check_constraints(target: Target, response_format: Any, count: int) -> list[Constraint | None]:
+    """One constraint per prompt from `response_format` (one for all, or a list with one per prompt: an OpenAI
+    response_format dict, a pydantic model class or a `Constraint`), each compiled once here so an invalid one is
+    refused (GrammarError) before anything decodes."""
+    formats = response_format if isinstance(response_format, list) else [response_format] * count
+    if len(formats) != count:
+        raise GenerationError("response_format must be one value or one per prompt")
+    constraints = [constraint_from_response_format(f) for f in formats]
+    for c in set(constraints) - {None}:
+        compile_constraint(target, c)
+    return constraints
 
 
 def generate(
@@ -114,6 +133,7 @@ def generate(
     on_tokens: Callable[[list[int]], Any] | None = None,
     costs: CostModel | None = None,
     draft_sampling: str = "match",
+    response_format: Any = None,
 ) -> GenerationResult:
     """Lossless speculative generation of one sequence with a DFlash drafter (or any `Proposer`, or a
     `BatchProposer` to run as given).
@@ -126,10 +146,14 @@ def generate(
     paper does; it may be smaller than the drafter's trained block size. `draft_sampling="pq"` (T > 0, DFlash
     drafters): drafts sampled from the drafter and verified by speculative sampling, an exact sample of the target
     but not seed-exact; the default "match" drafts greedily and gives plain sampling's tokens for the same seed.
+    `response_format` (structured output, grammar.py): {"type": "json_object"}, {"type": "json_schema",
+    "json_schema": {"schema": ...}}, a pydantic model class, or a `Constraint` (regex, choice, EBNF, Lark); the
+    output is then what plain decoding under the same constraint gives.
     """
     target = as_target(target)
     sampling = SamplingParams(temperature, top_p, top_k)
     check_request(target, input_ids, max_new_tokens)
+    constraints = check_constraints(target, response_format, 1)
     cap = None
     if isinstance(draft, DFlashDraftModel):
         proposer = batch_proposer(target, draft, block_size, costs, draft_sampling)
@@ -147,7 +171,9 @@ def generate(
             f"draft must be a DFlashDraftModel, a Proposer or a BatchProposer, got {type(draft).__name__}"
         )
     decoder = BatchDecoder(target, proposer, max_batch_size=1, block_size=cap)
-    return run(decoder, [input_ids], [max_new_tokens], sampling, stop_token_ids, [seed], on_tokens)[0]
+    return run(
+        decoder, [input_ids], [max_new_tokens], sampling, stop_token_ids, [seed], on_tokens, constraints
+    )[0]
 
 
 def generate_ar(
@@ -160,6 +186,7 @@ def generate_ar(
     stop_token_ids: Sequence[int] | None = None,
     seed: int | None = None,
     on_tokens: Callable[[list[int]], Any] | None = None,
+    response_format: Any = None,
 ) -> GenerationResult:
     """Plain autoregressive decoding with the same target wrapper, engine and sampler: the honest baseline."""
     return generate(
@@ -174,6 +201,7 @@ def generate_ar(
         1,
         seed,
         on_tokens,
+        response_format=response_format,
     )
 
 
@@ -191,10 +219,12 @@ def generate_batch(
     costs: CostModel | None = None,
     max_batch_size: int | None = None,
     draft_sampling: str = "match",
+    response_format: Any = None,
 ) -> list[GenerationResult]:
     """Decode several prompts together: each row's output is what `generate` gives it alone (greedy, fp32) or the
     same seed-exact sample. `draft=None` decodes plainly in a batch; a callable makes one `Proposer` per row.
-    With `max_batch_size`, waiting prompts join as rows finish (continuous batching)."""
+    With `max_batch_size`, waiting prompts join as rows finish (continuous batching). `response_format`: one for
+    every prompt or a list with one per prompt (None: free text), as in `generate`."""
     target = as_target(target)
     if not len(prompts):
         return []
@@ -205,10 +235,11 @@ def generate_batch(
         raise GenerationError("max_new_tokens and seed must be one value or one per prompt")
     for ids, limit in zip(prompts, limits, strict=True):  # every request is checked before any work
         check_request(target, ids, limit)
+    constraints = check_constraints(target, response_format, len(prompts))
     decoder = BatchDecoder(
         target, batch_proposer(target, draft, block_size, costs, draft_sampling), max_batch_size
     )
-    return run(decoder, prompts, limits, sampling, stop_token_ids, seeds)
+    return run(decoder, prompts, limits, sampling, stop_token_ids, seeds, constraints=constraints)
 
 
 __all__ = [

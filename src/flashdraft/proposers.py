@@ -38,10 +38,10 @@ import torch
 
 from .compiled import draft_block_pass
 from .costs import CostModel
-from .engine import GenerationError
 from .kv_cache import CAPACITY_STEP, uses_static_cache
 from .model import PAD_POSITION, DFlashDraftModel, DraftContextCache, block_inputs, draft_logits
 from .policy import AcceptanceTable, confidence_keys, confidence_table, expected_tokens
+from .request import GenerationError
 from .sampling import DRAFT_STREAM, position_uniforms
 from .target import Target, TargetError
 

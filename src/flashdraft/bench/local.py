@@ -43,6 +43,7 @@ class RunOutput:
     draft_lengths: list[int] = field(default_factory=list)
     accepted_drafts: list[int] = field(default_factory=list)
     stop_reason: str = ""
+    grammar_s: float = 0.0
 
 
 def _sync(device: torch.device) -> None:
@@ -171,9 +172,16 @@ class LocalMethods:
                 settings[key] = value if value is not None else defaults.get(key)
         return settings
 
-    def run(self, method: str, input_ids: torch.Tensor, max_new_tokens: int, seed: int) -> RunOutput:
+    def run(
+        self,
+        method: str,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        seed: int,
+        response_format: Any = None,
+    ) -> RunOutput:
         if method in ("ar", *DFLASH_METHODS):
-            return self._run_engine(method, input_ids, max_new_tokens, seed)
+            return self._run_engine(method, input_ids, max_new_tokens, seed, response_format)
         if method in LLAMACPP_METHODS:
             got = self.llamacpp.servers[method].complete(
                 input_ids[0].tolist(), max_new_tokens, self.cfg.temperature, seed, self.stop_ids
@@ -187,10 +195,17 @@ class LocalMethods:
             extra["prompt_lookup_num_tokens"] = self.cfg.pld_tokens
         return self._run_transformers(input_ids, max_new_tokens, seed, extra)
 
-    def _run_engine(self, method: str, input_ids: torch.Tensor, max_new_tokens: int, seed: int) -> RunOutput:
+    def _run_engine(
+        self, method: str, input_ids: torch.Tensor, max_new_tokens: int, seed: int, response_format: Any
+    ) -> RunOutput:
         from ..generate import generate, generate_ar
 
-        common = dict(max_new_tokens=max_new_tokens, temperature=self.cfg.temperature, seed=seed)
+        common = dict(
+            max_new_tokens=max_new_tokens,
+            temperature=self.cfg.temperature,
+            seed=seed,
+            response_format=response_format,
+        )
         if method in DFLASH_METHODS:
             verify = self.block_size if method == "dflash-fixed" else self.verify
             sampling = "pq" if method == "dflash-pq" else "match"
@@ -210,6 +225,7 @@ class LocalMethods:
             draft_lengths=list(res.draft_lengths) if method in DFLASH_METHODS else [],
             accepted_drafts=list(res.accepted_drafts) if method in DFLASH_METHODS else [],
             stop_reason=res.stop_reason,
+            grammar_s=res.grammar_s,
         )
 
     def _run_transformers(
@@ -259,6 +275,13 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 
     check_config(cfg)  # llama.cpp's GGUF files and server, where its methods run
     datasets = load_datasets(cfg.datasets, cfg.max_samples, cfg.seed)
+    structured = [ds.name for ds in datasets if any(c.meta.get("response_format") for c in ds.conversations)]
+    unconstrained = [m for m in cfg.methods if m not in ("ar", *DFLASH_METHODS)]
+    if structured and unconstrained:
+        raise BenchError(
+            f"{', '.join(unconstrained)} cannot decode under a response_format ({', '.join(structured)} has "
+            "structured-output records): run ar and the dflash methods on it"
+        )
     previous_threads = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -336,7 +359,8 @@ def _measure(
                             shift = prompt_index % len(cfg.methods)
                             order = cfg.methods[shift:] + cfg.methods[:shift]
                             seed = cfg.seed + prompt_index
-                            outputs = {m: runner.run(m, ids, cfg.max_new_tokens, seed) for m in order}
+                            fmt = conv.meta.get("response_format")
+                            outputs = {m: runner.run(m, ids, cfg.max_new_tokens, seed, fmt) for m in order}
                             ref = outputs[REFERENCE]
                             differing: list[tuple[SampleRecord, list[int]]] = []
                             for method in cfg.methods:
@@ -355,6 +379,7 @@ def _measure(
                                     draft_lengths=out.draft_lengths,
                                     accepted_drafts=out.accepted_drafts,
                                     stop_reason=out.stop_reason,
+                                    grammar_s=out.grammar_s,
                                     output_ids=out.new_ids,
                                 )
                                 compared = method not in LLAMACPP_METHODS  # another engine, other weights

@@ -95,6 +95,7 @@ class SampleRecord:
     draft_lengths: list[int] = field(default_factory=list)  # dflash: drafts proposed per step
     accepted_drafts: list[int] = field(default_factory=list)  # dflash: drafts accepted per step
     stop_reason: str = ""
+    grammar_s: float = 0.0  # structured output: the grammar's part of decode_s
     matches_reference: bool | None = None  # None: not compared (sampling, or the reference itself)
     first_mismatch: int | None = None
     output_ids: list[int] = field(default_factory=list, repr=False)
@@ -157,6 +158,8 @@ def summarize_records(records: Sequence[SampleRecord], block_size: int | None = 
         "compared": len(compared),
         "mismatches": sum(1 for r in compared if not r.matches_reference),
     }
+    if any(r.grammar_s for r in records):  # structured output: the grammar's share of the decode phase
+        summary["grammar_share"] = sum(r.grammar_s for r in records) / decode_s if decode_s > 0 else None
     drafted = any(d > 0 for r in records for d in r.draft_lengths)
     if drafted or any(n > 1 for n in steps):
         summary["acceptance_histogram"] = acceptance_histogram(steps, block_size)

@@ -205,7 +205,10 @@ async def _run_conversation(
         for turn, user_text in enumerate(conv.user_turns):
             messages.append({"role": "user", "content": user_text})
             req = ServerRequest(dataset=dataset, conversation_id=conv.id, turn=turn)
-            await _send(client, cfg, url, _payload(cfg, model, messages, cfg.max_new_tokens), req)
+            body = _payload(cfg, model, messages, cfg.max_new_tokens)
+            if conv.meta.get("response_format") is not None:  # a structured-output record
+                body["response_format"] = conv.meta["response_format"]
+            await _send(client, cfg, url, body, req)
             results.append(req)
             on_done(1)
             if not req.ok:

@@ -40,7 +40,7 @@ def compile_or_note(target: Any) -> None:
 def parse_block_size(text: str, drafter_block_size: int | None) -> int | str:
     """`--block-size`: "auto" (the cost-aware default) or a fixed verify length within the drafter's block, checked
     by the engine's own `check_block_size` (one name and one check from the command line to the engine)."""
-    from ..engine import GenerationError, check_block_size
+    from ..request import GenerationError, check_block_size
 
     try:
         verify = check_block_size(text, drafter_block_size)

@@ -35,6 +35,38 @@ class _Streamer:
             self.printed = text
 
 
+def constraint_from_options(
+    json_schema: Path | None,
+    json_object: bool,
+    regex: str | None,
+    choice: list[str] | None,
+    grammar: Path | None,
+) -> Any:
+    """The structured-output constraint the options ask for (at most one), read before any weights load."""
+    from ..grammar import Constraint, GrammarError
+
+    given = [
+        name
+        for name, value in (("--json-schema", json_schema), ("--json-object", json_object), ("--regex", regex),
+                            ("--choice", choice), ("--grammar", grammar))
+        if value
+    ]  # fmt: skip
+    if len(given) > 1:
+        raise GrammarError(f"{' and '.join(given)} both constrain the output: give one")
+    if json_schema:
+        return Constraint.json_schema(json_schema.read_text())
+    if json_object:
+        return Constraint("json_object")
+    if regex:
+        return Constraint("regex", regex)
+    if choice:
+        return Constraint.choice(list(choice))
+    if grammar:
+        text = grammar.read_text()
+        return Constraint("ebnf" if "::=" in text else "lark", text)
+    return None
+
+
 @one_line_errors
 def generate_command(
     prompt: Annotated[str, typer.Argument(help="user prompt (the chat template is applied)")],
@@ -77,6 +109,19 @@ def generate_command(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="library load bars and details")] = False,
     compile_verify: CompileOption = False,
     quantize: QuantizeOption = None,
+    json_schema: Annotated[
+        Path | None, typer.Option(help="structured output: the answer is JSON valid for this schema file")
+    ] = None,
+    json_object: Annotated[bool, typer.Option(help="structured output: the answer is a JSON object")] = False,
+    regex: Annotated[
+        str | None, typer.Option(help="structured output: the answer matches this regex")
+    ] = None,
+    choice: Annotated[
+        list[str] | None, typer.Option(help="structured output: the answer is one of these (repeatable)")
+    ] = None,
+    grammar: Annotated[
+        Path | None, typer.Option(help="structured output: a grammar file (EBNF with ::=, else Lark)")
+    ] = None,
 ) -> None:
     """Generate an answer with DFlash speculative decoding (lossless), streaming the text."""
     import torch
@@ -104,6 +149,7 @@ def generate_command(
     if max_new_tokens < 1:
         raise GenerationError(f"--max-new-tokens must be a positive integer, got {max_new_tokens}")
     SamplingParams(temperature, top_p, top_k)
+    constraint = constraint_from_options(json_schema, json_object, regex, choice, grammar)
     if threads is not None and threads < 1:
         raise GenerationError(f"--threads must be >= 1, got {threads}")
     dev = parse_device(device)
@@ -142,11 +188,15 @@ def generate_command(
             f"in {load_s:.1f} s"
         )
     ids = tgt.encode_prompt(prompt, chat=chat, enable_thinking=thinking, system=system)
+    if constraint is not None:
+        from ..generate import check_constraints
+
+        check_constraints(tgt, constraint, 1)  # an invalid regex or grammar is named before any decoding
     if seed is None and compare_ar:  # sampling is seed-exact: one seed for both runs makes them comparable
         seed = int(torch.randint(0, 2**31, ()).item())
     if draft_sampling not in ("match", "pq"):
         raise typer.BadParameter(f"--draft-sampling must be match or pq, not {draft_sampling!r}")
-    kwargs = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    kwargs = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, response_format=constraint)
     costs = None
     if verify == "auto":
         from ..measure import load_or_measure_costs

@@ -20,6 +20,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from ..extras import MissingExtraError
+from ..grammar import GrammarError, compile_constraint
 from .engine import Engine, EngineRequest, QueueFullError, RequestHandle
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -128,6 +130,12 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
         stop_strings, stop_ids = body.stop_strings_and_ids()
         if any(not 0 <= i < target.vocab_size for i in stop_ids):
             raise APIError(400, f"stop token ids must lie in 0..{target.vocab_size - 1}", param="stop")
+        constraint, asked_by = body.constraint()
+        if constraint is not None:
+            try:  # compiled here (and cached), so a bad schema is a 400 before the request queues
+                compile_constraint(target, constraint)
+            except (GrammarError, MissingExtraError) as e:
+                raise APIError(400, f"{asked_by}: {e}", param=asked_by) from None
         return EngineRequest(
             prompt_ids=prompt_ids,
             max_tokens=limit,
@@ -137,6 +145,7 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
             seed=body.seed,
             stop_strings=stop_strings,
             stop_ids=stop_ids,
+            constraint=constraint,
         )
 
     async def run(

@@ -23,8 +23,10 @@ from typing import Any
 
 import torch
 
-from ..engine import BatchDecoder, BatchRow, GenerationResult
+from ..engine import BatchDecoder, BatchRow
 from ..generate import batch_proposer
+from ..grammar import Constraint
+from ..request import GenerationResult
 from ..sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,7 @@ class EngineRequest:
     seed: int | None = None
     stop_strings: list[str] = field(default_factory=list)
     stop_ids: list[int] = field(default_factory=list)
+    constraint: Constraint | None = None  # structured output (grammar.py)
 
 
 class RequestHandle:
@@ -276,6 +279,7 @@ class Engine:
                 seed=req.seed,
                 on_tokens=on_tokens,
                 tag=handle,
+                constraint=req.constraint,
             )
         except Exception as e:  # noqa: BLE001 - one bad request fails alone
             handle.push("error", f"{type(e).__name__}: {e}")
@@ -292,7 +296,9 @@ class Engine:
         tail = stream.flush()
         if tail:
             handle.push("text", tail)
-        finish = "stop" if stream.stopped or result.stop_reason == "stop_token" else "length"
+        # A grammar that allows no further token ends the answer where it stands (engine: "no_allowed_token").
+        stopped = stream.stopped or result.stop_reason in ("stop_token", "no_allowed_token")
+        finish = "stop" if stopped else "length"
         handle.push(
             "done",
             {

@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..grammar import Constraint, GrammarError, constraint_from_response_format
+
 
 class APIError(Exception):
     """An error answered as OpenAI does: HTTP status + {"error": {"message", "type", "param", "code"}}."""
@@ -43,7 +45,6 @@ REFUSED_UNLESS = {
     "functions": lambda v: not v,
     "tool_choice": lambda v: v in (None, "none"),
     "function_call": lambda v: v in (None, "none"),
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type", "text") == "text"),
     "top_logprobs": lambda v: not v,
     "prompt_logprobs": lambda v: not v,
     "best_of": lambda v: v in (None, 1),
@@ -52,13 +53,11 @@ REFUSED_UNLESS = {
     "min_tokens": lambda v: not v,
     "ignore_eos": lambda v: not v,
     "logits_processors": lambda v: not v,
-    "guided_json": lambda v: v is None,
-    "guided_regex": lambda v: v is None,
-    "guided_choice": lambda v: v is None,
-    "guided_grammar": lambda v: v is None,
-    "structured_outputs": lambda v: v is None,
     "suffix": lambda v: not v,
 }
+# vLLM's structured-output fields (its older `guided_*` names and its `structured_outputs` object), beside OpenAI's
+# `response_format`: each names one kind of constraint (grammar.py).
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 
 class _Sampling(BaseModel):
@@ -90,12 +89,37 @@ class _Sampling(BaseModel):
     frequency_penalty: float = 0.0
     logprobs: bool | int | None = None
     logit_bias: dict[str, float] | None = None
+    # Structured output: OpenAI's field; vLLM's (GUIDED_FIELDS) arrive in model_extra.
+    response_format: dict[str, Any] | None = None
 
     _clean_stop = field_validator("stop")(classmethod(lambda cls, v: clean_text(v)))
 
     def ignored_fields(self) -> list[str]:
         """Fields this server does not know and that cannot change the answer."""
-        return sorted(k for k in (self.model_extra or {}) if k not in REFUSED_UNLESS)
+        return sorted(
+            k for k in (self.model_extra or {}) if k not in REFUSED_UNLESS and k not in GUIDED_FIELDS
+        )
+
+    def constraint(self) -> tuple[Constraint | None, str | None]:
+        """The structured-output constraint asked for, and the field that asked; at most one field may (else a
+        400 naming the field)."""
+        extra = self.model_extra or {}
+        asked = [name for name in GUIDED_FIELDS if extra.get(name) is not None]
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            asked.insert(0, "response_format")
+        if not asked:
+            return None, None
+        if len(asked) > 1:
+            raise APIError(400, f"{' and '.join(asked)} both constrain the output: give one", param=asked[0])
+        name = asked[0]
+        try:
+            if name == "response_format":
+                return constraint_from_response_format(self.response_format), name
+            if name == "structured_outputs":
+                return structured_outputs(extra[name]), name
+            return guided(name.removeprefix("guided_"), extra[name]), name
+        except GrammarError as e:
+            raise APIError(400, f"{name}: {e}", param=name) from None
 
     def unsupported(self) -> str | None:
         for name, value in (self.model_extra or {}).items():
@@ -122,6 +146,38 @@ class _Sampling(BaseModel):
         if all(isinstance(s, int) for s in stop):
             return [], [int(s) for s in stop]
         return [str(s) for s in stop], []
+
+
+def guided(kind: str, value: Any) -> Constraint | None:
+    """One of vLLM's constraint kinds: json (a schema, or its JSON text), regex, choice (strings), grammar (EBNF,
+    or Lark when it has no `::=`), json_object (true)."""
+    if kind == "json":
+        return Constraint.json_schema(value)
+    if kind == "json_object":
+        return Constraint("json_object") if value else None
+    if kind == "choice":
+        return Constraint.choice(value)
+    if not isinstance(value, str) or not value:
+        raise GrammarError(f"{kind} must be a non-empty string")
+    if kind == "regex":
+        return Constraint("regex", value)
+    if kind == "grammar":
+        return Constraint("ebnf" if "::=" in value else "lark", value)
+    raise GrammarError(f"unknown constraint {kind!r}")
+
+
+def structured_outputs(value: Any) -> Constraint | None:
+    """vLLM's `structured_outputs` object: exactly one of json, regex, choice, grammar, json_object."""
+    if not isinstance(value, dict):
+        raise GrammarError('structured_outputs must be an object such as {"json": {...}}')
+    kinds = ("json", "regex", "choice", "grammar", "json_object")
+    other = sorted(k for k in value if k not in kinds and value[k] not in (None, False))
+    if other:
+        raise GrammarError(f"structured_outputs.{other[0]} is not supported ({', '.join(kinds)})")
+    given = [k for k in kinds if value.get(k) not in (None, False)]
+    if len(given) != 1:
+        raise GrammarError(f"structured_outputs needs exactly one of {', '.join(kinds)}")
+    return guided(given[0], value[given[0]])
 
 
 class ContentPart(BaseModel):
