@@ -418,20 +418,25 @@ def test_served_bad_constraints_are_one_400_and_the_server_keeps_serving(servers
 
 
 # ---------------------------------------------------------------------------------------------- command line
+def on_disk(target, root):
+    """The target (with its tokenizer) and an untrained block-4 drafter for it, saved under root."""
+    target.model.save_pretrained(root / "target")
+    target.tokenizer.save_pretrained(root / "target")
+    drafter = DFlashDraftModel.for_target(
+        target.model.config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1
+    )
+    drafter.save_pretrained(root / "draft")
+    return {"target": str(root / "target"), "draft": str(root / "draft")}
+
+
 def test_cli_generate_with_a_schema_equals_plain_and_a_bad_regex_is_one_line(targets, tmp_path):
     from typer.testing import CliRunner
 
     from flashdraft.cli import app
 
-    target = targets["llama"]
-    target.model.save_pretrained(tmp_path / "target")
-    target.tokenizer.save_pretrained(tmp_path / "target")
-    drafter = DFlashDraftModel.for_target(
-        target.model.config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1
-    )
-    drafter.save_pretrained(tmp_path / "draft")
+    saved = on_disk(targets["llama"], tmp_path)
     (tmp_path / "schema.json").write_text(json.dumps(SCHEMA))
-    base = ["generate", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
+    base = ["generate", "--target", saved["target"], "--draft", saved["draft"],
             "--block-size", "4", "--max-new-tokens", "40"]  # fmt: skip
     result = CliRunner().invoke(app, [*base, "--json-schema", str(tmp_path / "schema.json"), "--compare-ar",
                                       "--json", PROMPT])  # fmt: skip
@@ -451,17 +456,11 @@ def test_bench_decodes_structured_records_under_their_response_format(targets, t
     the grammar's share of the decode phase; methods that cannot take a constraint are refused before any load."""
     from flashdraft.bench import BenchConfig, BenchError, run_bench
 
-    target = targets["llama"]
-    target.model.save_pretrained(tmp_path / "target")
-    target.tokenizer.save_pretrained(tmp_path / "target")
-    drafter = DFlashDraftModel.for_target(
-        target.model.config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1
-    )
-    drafter.save_pretrained(tmp_path / "draft")
+    saved = on_disk(targets["llama"], tmp_path)
     rows = [{"id": "schema", "turns": [PROMPT], "response_format": CONSTRAINTS["json_schema"]},
             {"id": "object", "turns": ["any JSON"], "response_format": {"type": "json_object"}}]  # fmt: skip
     (tmp_path / "set.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = dict(target=str(tmp_path / "target"), draft=str(tmp_path / "draft"), datasets=[str(tmp_path / "set.jsonl")],
+    cfg = dict(target=saved["target"], draft=saved["draft"], datasets=[str(tmp_path / "set.jsonl")],
                max_new_tokens=30, block_size=4, plots=False, threads=1, show_progress=False, save_outputs=True)  # fmt: skip
     results = run_bench(BenchConfig(methods=["ar", "dflash"], out_dir=tmp_path / "out", **cfg))
     assert results["equality"]["compared"] == 2 and results["equality"]["mismatches"] == 0
