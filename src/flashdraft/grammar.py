@@ -67,6 +67,11 @@ class Constraint:
         return cls("json_schema", json.dumps(schema))
 
     @classmethod
+    def grammar(cls, text: str) -> Constraint:
+        """A grammar in EBNF (xgrammar's GBNF dialect, rules with `::=`), else in Lark."""
+        return cls("ebnf" if "::=" in text else "lark", text)
+
+    @classmethod
     def choice(cls, choices: list[str]) -> Constraint:
         if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
             raise GrammarError("a choice constraint needs a non-empty list of strings")

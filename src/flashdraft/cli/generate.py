@@ -62,8 +62,7 @@ def constraint_from_options(
     if choice:
         return Constraint.choice(list(choice))
     if grammar:
-        text = grammar.read_text()
-        return Constraint("ebnf" if "::=" in text else "lark", text)
+        return Constraint.grammar(grammar.read_text())
     return None
 
 

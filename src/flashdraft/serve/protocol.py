@@ -162,7 +162,7 @@ def guided(kind: str, value: Any) -> Constraint | None:
     if kind == "regex":
         return Constraint("regex", value)
     if kind == "grammar":
-        return Constraint("ebnf" if "::=" in value else "lark", value)
+        return Constraint.grammar(value)
     raise GrammarError(f"unknown constraint {kind!r}")
 
 
