@@ -27,7 +27,7 @@ FIELDS = [
     "stop", "seed", "stream", "stream_options", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias",
     "return_token_ids", "chat_template_kwargs", "return_meta_info", "tools", "response_format", "echo", "user",
     "ignore_eos", "min_p", "unknown_field", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "structured_outputs",
+    "structured_outputs", "tool_choice", "parallel_tool_calls",
 ]  # fmt: skip
 
 
@@ -82,6 +82,9 @@ def random_body(rng: random.Random, model: str) -> dict:
     return body
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
 HARD_CASES = [
     ("temperature 1e-40", {"temperature": 1e-40}),
     ("lone surrogate", {"messages": [{"role": "user", "content": "x\ud800y"}]}),
@@ -118,6 +121,62 @@ HARD_CASES = [
             }
         },
     ),
+    ("tools, required", {"tools": [WEATHER], "tool_choice": "required"}),
+    ("tools, named, streamed", {"tools": [WEATHER], "tool_choice": NAMED, "stream": True}),
+    ("tools, auto, no parallel calls", {"tools": [WEATHER], "parallel_tool_calls": False}),
+    (
+        "tool_choice naming a missing tool",
+        {"tools": [WEATHER], "tool_choice": {**NAMED, "function": {"name": "x"}}},
+    ),
+    ("required without tools", {"tool_choice": "required"}),
+    ("a non-function tool", {"tools": [{"type": "web_search"}]}),
+    (
+        "tool schema with a bad type",
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objec"}}}],
+            "tool_choice": "required",
+        },
+    ),  # fmt: skip
+    (
+        "history with calls and results",
+        {
+            "tools": [WEATHER],
+            "messages": [
+                {"role": "user", "content": "Weather in Oslo?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+            ],
+        },
+    ),  # fmt: skip
+    (
+        "history call arguments not JSON",
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
+                    ],
+                }
+            ]
+        },
+    ),  # fmt: skip
+    ("tool message without content", {"messages": [{"role": "tool", "tool_call_id": "c1"}]}),
+    (
+        "tools and a response_format",
+        {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+    ),  # fmt: skip
 ]
 
 

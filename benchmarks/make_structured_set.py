@@ -1,10 +1,11 @@
 """Writes src/flashdraft/benchdata/structured.jsonl: the structured-output benchmark set of `flashdraft bench`.
 
-Each record is a chat prompt with the OpenAI `response_format` it is decoded under:
+Each record is a chat prompt with the OpenAI `response_format` (or `tools` and `tool_choice`) it is decoded under:
   math      the first 8 GSM8K test questions (shipped beside it, MIT), answered as {"reasoning", "answer"}
   extract   8 short texts written for this set, their facts extracted into a schema's fields
   classify  4 reviews written for this set, labelled with an enum and a number
   object    4 requests for any JSON object (`json_object`)
+  tools     6 requests for a tool call (OpenAI `tools`, `tool_choice` "required" or a named function)
 Run it from the repository root: python benchmarks/make_structured_set.py
 """
 
@@ -48,7 +49,10 @@ TEXTS = [
     (PERSON, "Priya Nair is a 27-year-old software engineer who lives in Pune and cycles to work."),
     (ORDER, "Order from Dana White: 3 notebooks at $2.50 each, 1 backpack at $40 and 2 pens at $1.25 each."),
     (ORDER, "Ken Ito bought 4 coffee mugs for 8 dollars each and a teapot for 25 dollars."),
-    (EVENT, "The spring science fair takes place on 14 March 2026 in the school gym; Ana, Ben and Chloe present."),
+    (
+        EVENT,
+        "The spring science fair takes place on 14 March 2026 in the school gym; Ana, Ben and Chloe present.",
+    ),
     (EVENT, "Team offsite: 2026-09-03 at the Lakeside Hotel, with Omar, Lucy, Raj and Mei attending."),
     (EVENT, "The book club meets on the first of June 2026 at Rosa's flat; Rosa and Jim will be there."),
 ]
@@ -66,6 +70,41 @@ OBJECTS = [
 ]
 
 
+def tool(name: str, description: str, properties: dict, required: list[str] | None = None) -> dict:
+    return {"type": "function", "function": {"name": name, "description": description,
+                                             "parameters": obj(properties, required)}}  # fmt: skip
+
+
+TIME_AND_WEATHER = [
+    tool("get_weather", "The current weather in a city.",
+         {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}}),
+    tool("get_time", "The local time in a time zone.", {"timezone": {"type": "string"}}),
+]  # fmt: skip
+SHOP = [
+    tool("search_products", "Search the shop's catalogue.",
+         {"query": {"type": "string"}, "max_price": {"type": "number"}}),
+    tool("add_to_cart", "Add a product to the cart.",
+         {"product_id": {"type": "string"}, "quantity": {"type": "integer", "minimum": 1}}),
+]  # fmt: skip
+OFFICE = [
+    tool("create_event", "Put an event in the calendar.",
+         {"title": {"type": "string"}, "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
+          "attendees": {"type": "array", "items": {"type": "string"}}}),
+    tool("send_email", "Send an email.", {"to": {"type": "string"}, "subject": {"type": "string"},
+                                          "body": {"type": "string"}}),
+]  # fmt: skip
+NAMED = {"add_to_cart": {"type": "function", "function": {"name": "add_to_cart"}},
+         "create_event": {"type": "function", "function": {"name": "create_event"}}}  # fmt: skip
+TOOL_PROMPTS = [
+    (TIME_AND_WEATHER, "required", "What is the weather like in Lisbon right now, in celsius?"),
+    (TIME_AND_WEATHER, "required", "What time is it in Tokyo?"),
+    (SHOP, "required", "Find me running shoes for under 80 dollars."),
+    (SHOP, NAMED["add_to_cart"], "Put two of product A-113 in my cart."),
+    (OFFICE, NAMED["create_event"], "Schedule a team lunch on 2026-12-04 with Ana and Ben."),
+    (OFFICE, "required", "Email Omar that the quarterly report will be a day late."),
+]
+
+
 def main() -> None:
     records = []
     with open(DATA / "gsm8k_test.jsonl") as f:
@@ -76,13 +115,20 @@ def main() -> None:
     for i, (fmt, text) in enumerate(TEXTS):
         name = fmt["json_schema"]["name"]
         prompt = f"Extract the {name} from this text as JSON.\n\n{text}"
-        records.append({"id": f"extract-{i}", "category": "extract", "turns": [prompt], "response_format": fmt})
+        records.append(
+            {"id": f"extract-{i}", "category": "extract", "turns": [prompt], "response_format": fmt}
+        )
     for i, text in enumerate(REVIEWS):
         prompt = f"Classify this review and summarise it in one sentence, as JSON.\n\n{text}"
-        records.append({"id": f"classify-{i}", "category": "classify", "turns": [prompt], "response_format": REVIEW})
+        records.append(
+            {"id": f"classify-{i}", "category": "classify", "turns": [prompt], "response_format": REVIEW}
+        )
     for i, prompt in enumerate(OBJECTS):
         records.append({"id": f"object-{i}", "category": "object", "turns": [prompt],
                         "response_format": {"type": "json_object"}})  # fmt: skip
+    for i, (tools, choice, prompt) in enumerate(TOOL_PROMPTS):
+        records.append({"id": f"tools-{i}", "category": "tools", "turns": [prompt], "tools": tools,
+                        "tool_choice": choice})  # fmt: skip
     with open(DATA / "structured.jsonl", "w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")

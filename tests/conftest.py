@@ -251,6 +251,45 @@ class OracleProposer(Proposer):
         return torch.tensor(out, dtype=torch.long)
 
 
+def byte_tokenizer(corpus: list[str], vocab: int, chat_template: str | None = None):
+    """A byte-level BPE tokenizer trained here on `corpus` (multi-byte tokens such as `": "` cross a grammar's
+    boundaries, as real ones do); <pad> 0, <s> 1, </s> 2, like the tiny models. The chat template by default joins
+    the messages' contents, a line each."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        chat_template=chat_template or "{% for m in messages %}{{ m['content'] }}\n{% endfor %}",
+    )
+
+
+def on_disk(target, root):
+    """The target (with its tokenizer) and an untrained block-4 drafter for it, saved under root."""
+    from flashdraft import DFlashDraftModel
+
+    target.model.save_pretrained(root / "target")
+    target.tokenizer.save_pretrained(root / "target")
+    drafter = DFlashDraftModel.for_target(
+        target.model.config, num_layers=1, block_size=4, mask_token_id=target.vocab_size - 1
+    )
+    drafter.save_pretrained(root / "draft")
+    return {"target": str(root / "target"), "draft": str(root / "draft")}
+
+
 @contextmanager
 def running_server(app):
     """Serve a FastAPI app with uvicorn on a free local port in a thread; yields its base URL."""

@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("xgrammar")
 
-from conftest import OracleProposer, tiny_model  # noqa: E402
+from conftest import OracleProposer, byte_tokenizer, on_disk, tiny_model  # noqa: E402
 from flashdraft import (  # noqa: E402
     Constraint,
     DFlashDraftModel,
@@ -50,34 +50,9 @@ SCHEMA = {
 }
 
 
-def byte_tokenizer():
-    """A byte-level BPE tokenizer trained here on a few JSON-ish lines (multi-byte tokens such as `": "` cross the
-    grammar's boundaries, as real ones do); <pad> 0, <s> 1, </s> 2, like the tiny models."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 4, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        chat_template="{% for m in messages %}{{ m['content'] }}\n{% endfor %}",
-    )
-
-
 @pytest.fixture(scope="module")
 def targets():
-    tok = byte_tokenizer()
+    tok = byte_tokenizer(CORPUS * 4, VOCAB)
     return {
         arch: Target(tiny_model(arch, seed=i, vocab=VOCAB), tok) for i, arch in enumerate(["llama", "qwen3"])
     }
@@ -137,6 +112,35 @@ def test_constrained_speculation_equals_plain_constrained_decoding(targets, arch
         assert spec.stop_reason == plain.stop_reason
     if len(plain.new_tokens) >= 6:  # long enough for the oracle's drafts to be accepted somewhere
         assert sum(r > 1 for r in spec.acceptance_lengths) > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_the_grammar_steers_the_drafts_so_forced_text_is_accepted_whole(targets, monkeypatch, temperature):
+    """Text the grammar forces token by token (characters the tokenizer never merged: one spelling) is drafted as
+    the grammar allows it, so every verify accepts all it drafted, at T=0 and with seeded sampling; the answer is
+    still plain decoding's. Without the steering an untrained drafter gets none of it."""
+    import flashdraft.proposers
+
+    target = targets["qwen3"]
+    ids = target.encode_prompt([{"role": "user", "content": PROMPT}])
+    forced = Constraint.choice(["~|" * 12])
+    drafter = DFlashDraftModel.for_target(
+        target.model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1
+    )
+    kw = dict(temperature=temperature, seed=3, response_format=forced)
+    plain = generate_ar(target, ids, 40, **kw)
+    assert target.tokenizer.decode(plain.new_tokens, skip_special_tokens=True) == "~|" * 12
+    for block_size in (8, "auto"):
+        spec = generate(target, drafter, ids, 40, block_size=block_size, **kw)
+        assert spec.new_tokens == plain.new_tokens
+        steps = list(zip(spec.acceptance_lengths[:3], spec.draft_lengths[:3], strict=True))
+        assert all(drafted >= 4 and accepted == drafted + 1 for accepted, drafted in steps), (
+            block_size,
+            steps,
+        )
+    monkeypatch.setattr(flashdraft.proposers, "steer_drafts", lambda *args: 0)
+    unsteered = generate(target, drafter, ids, 40, block_size=8, **kw)
+    assert unsteered.new_tokens == plain.new_tokens and max(unsteered.acceptance_lengths) < 3
 
 
 def test_free_rows_are_untouched_and_free_answers_break_the_constraint(targets):
@@ -418,17 +422,6 @@ def test_served_bad_constraints_are_one_400_and_the_server_keeps_serving(servers
 
 
 # ---------------------------------------------------------------------------------------------- command line
-def on_disk(target, root):
-    """The target (with its tokenizer) and an untrained block-4 drafter for it, saved under root."""
-    target.model.save_pretrained(root / "target")
-    target.tokenizer.save_pretrained(root / "target")
-    drafter = DFlashDraftModel.for_target(
-        target.model.config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1
-    )
-    drafter.save_pretrained(root / "draft")
-    return {"target": str(root / "target"), "draft": str(root / "draft")}
-
-
 def test_cli_generate_with_a_schema_equals_plain_and_a_bad_regex_is_one_line(targets, tmp_path):
     from typer.testing import CliRunner
 

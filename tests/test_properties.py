@@ -110,7 +110,7 @@ json_values = st.recursive(
 FIELDS = ["model", "messages", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream",
           "stream_options", "presence_penalty", "logprobs", "logit_bias", "return_token_ids", "chat_template_kwargs",
           "return_meta_info", "tools", "response_format", "echo", "guided_json", "guided_regex", "guided_choice",
-          "guided_grammar", "structured_outputs"]  # fmt: skip
+          "guided_grammar", "structured_outputs", "tool_choice", "parallel_tool_calls"]  # fmt: skip
 # Structured-output fields shaped like what clients send, with random parts: schemas, regexes and grammars that may
 # or may not compile. Never a 5xx, never a crash of the grammar compiler.
 schema_like = st.recursive(
@@ -146,6 +146,47 @@ structured = st.one_of(
     st.fixed_dictionaries({"structured_outputs": st.dictionaries(
         st.sampled_from(["json", "regex", "choice", "grammar", "json_object", "xml"]), json_values | schema_like,
         max_size=2)}),
+)  # fmt: skip
+
+
+# Tool fields shaped like what agents send, with random parts: tools with random schemas, choices that may or may not
+# name one, histories holding calls (arguments as JSON text or not) and tool results.
+tool_like = st.fixed_dictionaries(
+    {
+        "type": st.sampled_from(["function", "function", "custom"]),
+        "function": st.fixed_dictionaries(
+            {"name": st.sampled_from(["f", "g", "", "f"])}, optional={"parameters": schema_like | json_values}
+        ),
+    }
+)
+call_like = st.fixed_dictionaries(
+    {
+        "id": st.text(max_size=4),
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {
+                "name": st.sampled_from(["f", "g"]),
+                "arguments": st.sampled_from(['{"a": 1}', "{oops", "", "[1]"]) | json_values,
+            }
+        ),
+    }
+)
+tools_fields = st.fixed_dictionaries(
+    {"tools": st.lists(tool_like, max_size=3) | json_values},
+    optional={
+        "tool_choice": st.sampled_from(["none", "auto", "required", "any"])
+        | st.fixed_dictionaries({"type": st.just("function"),
+                                 "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "g", "h"])})})
+        | json_values,
+        "parallel_tool_calls": st.booleans() | json_values,
+        "messages": st.lists(st.one_of(
+            st.just({"role": "user", "content": "w7"}),
+            st.fixed_dictionaries({"role": st.just("assistant"), "content": st.none() | st.just("w5"),
+                                   "tool_calls": st.lists(call_like, max_size=2)}),
+            st.fixed_dictionaries({"role": st.just("tool"), "content": st.text(max_size=4) | st.none()},
+                                  optional={"tool_call_id": st.text(max_size=3)}),
+        ), min_size=1, max_size=4),
+    },
 )  # fmt: skip
 
 
@@ -204,6 +245,30 @@ def test_random_structured_output_fields_never_get_a_5xx(client, endpoint, field
         assert error["message"] and "\n" not in error["message"]
     else:
         assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+@SETTINGS
+@given(fields=tools_fields, stream=st.booleans())
+def test_random_tool_fields_never_get_a_5xx(client, fields, stream):
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "w7"}],
+        "max_tokens": 4,
+        "stream": stream,
+    }
+    r = client.post(
+        "/v1/chat/completions",
+        content=json.dumps({**body, **fields}),
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code < 500, (fields, r.text)
+    if r.status_code >= 400:
+        error = r.json()["error"]
+        assert error["message"] and "\n" not in error["message"]
+    elif not stream:
+        assert r.json()["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
+    else:
+        assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text
 
 
 def test_the_server_answers_the_same_after_random_bodies(client):

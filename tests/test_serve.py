@@ -235,10 +235,10 @@ def test_sigterm_drains_in_flight_requests_then_exits(models, tmp_path):
             {
                 "model": MODEL,
                 "messages": MESSAGES,
-                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tools": [{"type": "web_search"}],
             },
             400,
-            "tools",
+            "only function tools",
         ),  # fmt: skip
         (
             {"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_schema"}},

@@ -26,12 +26,13 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
     from .target import Target
 
-KINDS = ("json_object", "json_schema", "regex", "choice", "ebnf", "lark")
+KINDS = ("json_object", "json_schema", "regex", "choice", "ebnf", "lark", "structural_tag")
 
 
 class GrammarError(ValueError):
@@ -40,8 +41,9 @@ class GrammarError(ValueError):
 
 @dataclass(frozen=True)
 class Constraint:
-    """What a row's output must match. `spec`: the JSON schema (as canonical JSON text), the regex, the grammar, or
-    the choices (a JSON list of strings); empty for `json_object`."""
+    """What a row's output must match. `spec`: the JSON schema (as canonical JSON text), the regex, the grammar, the
+    choices (a JSON list of strings) or xgrammar's structural tag (JSON text, tool_calls.py builds them); empty for
+    `json_object`."""
 
     kind: str
     spec: str = ""
@@ -102,7 +104,13 @@ def constraint_from_response_format(response_format: Any) -> Constraint | None:
         if schema is None:
             raise GrammarError("response_format.json_schema needs a 'schema'")
         return Constraint.json_schema(schema)
-    raise GrammarError(f"response_format type {kind!r} is not supported (text, json_object or json_schema)")
+    if kind == "structural_tag":  # vLLM and SGLang take xgrammar's structural tags here: {"type", "format"}
+        if not isinstance(response_format.get("format"), dict):
+            raise GrammarError("response_format of type structural_tag needs a 'format' object")
+        return Constraint("structural_tag", json.dumps(response_format))
+    raise GrammarError(
+        f"response_format type {kind!r} is not supported (text, json_object, json_schema or structural_tag)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- compiling
@@ -160,6 +168,8 @@ def compile_constraint(target: Target, constraint: Constraint) -> Any:
             return compiler.compile_grammar(f"root ::= {alternatives}")
         if kind == "ebnf":
             return compiler.compile_grammar(spec)
+        if kind == "structural_tag":
+            return compiler.compile_structural_tag(spec)
         return compiler.compile_lark(spec)
     except (RuntimeError, ValueError, TypeError) as e:
         raise GrammarError(f"invalid {kind.replace('_', ' ')}: {_one_line(e)}") from None
@@ -197,6 +207,63 @@ class RowGrammar:
                 raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed")
 
 
+STEER_CANDIDATES = 32  # a refused draft's replacement is looked for among the drafter's top tokens first
+
+
+def steer_drafts(
+    grammar: RowGrammar, logits: torch.Tensor, tokens: torch.Tensor, confidence: torch.Tensor
+) -> int:
+    """A row's greedy drafts made grammatical, in place: a slot whose draft the grammar refuses (after the drafts
+    before it) takes the drafter's most likely allowed token instead, with the drafter's probability of that token as
+    its confidence (1 where the grammar forces it). `logits` [n, V] are the drafter's for the n slots,
+    `tokens` and `confidence` [n]. Only proposals change and the verify decides as before, so this is lossless. It
+    stops at a stop token or where the grammar allows nothing. Returns how many slots it walked; the matcher is left
+    as it was. A draft the grammar allows costs one mask (a few µs); a replaced one is looked for among the drafter's
+    top tokens, and only when none of them is allowed in the whole masked vocabulary (~0.5 ms at 49k tokens)."""
+    xgr = _xgrammar()
+    m = grammar.matcher
+    n, vocab = logits.shape
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    words = bitmask.numpy()[0]  # shares the memory: reading one word costs no tensor op
+    drafts = tokens.tolist()
+    top: list[list[int]] | None = None
+    lse = None
+    walked = 0
+    for j in range(n):
+        if m.is_terminated():
+            break
+        m.fill_next_token_bitmask(bitmask, 0)
+        token = drafts[j]
+        if not (int(words[token >> 5]) >> (token & 31)) & 1:  # refused: the best allowed token instead
+            nonzero = np.flatnonzero(words)
+            if not len(nonzero):
+                break
+            word = int(words[nonzero[0]]) & 0xFFFFFFFF
+            if (
+                len(nonzero) == 1 and word & (word - 1) == 0
+            ):  # the one token the grammar allows: sure to be taken
+                token = int(nonzero[0]) * 32 + word.bit_length() - 1
+                tokens[j], confidence[j] = token, 1.0
+            else:
+                if top is None:  # the drafter's leading candidates and normalisers, all slots at once
+                    lse = logits.float().logsumexp(-1).cpu()
+                    top = logits.topk(min(STEER_CANDIDATES, vocab), -1).indices.cpu().tolist()
+                token = next((t for t in top[j] if (int(words[t >> 5]) >> (t & 31)) & 1), -1)
+                if token < 0:  # none of them allowed: the whole vocabulary, masked
+                    masked = logits[j : j + 1].float().cpu().clone()
+                    xgr.apply_token_bitmask_inplace(masked, bitmask)
+                    token = int(masked.argmax())
+                # The policy prices drafts by this confidence: the drafter's own probability of the replacement
+                # (not its choice, so it is no surer than that).
+                tokens[j], confidence[j] = token, float(torch.exp(logits[j, token].float().cpu() - lse[j]))
+        if not m.accept_token(token):
+            break
+        walked += 1
+    if walked:
+        m.rollback(walked)
+    return walked
+
+
 def mask_logits(
     logits: torch.Tensor, blocks: dict[int, list[int]], grammars: dict[int, RowGrammar]
 ) -> dict[int, int]:
@@ -228,4 +295,5 @@ __all__ = [
     "compile_constraint",
     "constraint_from_response_format",
     "mask_logits",
+    "steer_drafts",
 ]

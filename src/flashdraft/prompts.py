@@ -58,10 +58,10 @@ def _message_parts(message: dict[str, Any]) -> tuple[str, str]:
 def to_conversation(record: dict[str, Any], index: int = 0) -> Conversation:
     """Normalise one record; raises PromptFormatError when no user prompt is found."""
     rid = str(record.get("id", record.get("question_id", record.get("task_id", index))))
-    # response_format: a structured-output record (the bench decodes it under that constraint)
+    # response_format, tools + tool_choice: a structured-output record (the bench decodes it under that constraint)
     meta = {
         k: record[k]
-        for k in ("category", "task_id", "answer", "entry_point", "response_format")
+        for k in ("category", "task_id", "answer", "entry_point", "response_format", "tools", "tool_choice")
         if k in record
     }
     if isinstance(record.get("turns"), list):

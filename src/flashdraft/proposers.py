@@ -38,6 +38,7 @@ import torch
 
 from .compiled import draft_block_pass
 from .costs import CostModel
+from .grammar import steer_drafts
 from .kv_cache import CAPACITY_STEP, uses_static_cache
 from .model import PAD_POSITION, DFlashDraftModel, DraftContextCache, block_inputs, draft_logits
 from .policy import AcceptanceTable, confidence_keys, confidence_table, expected_tokens
@@ -479,6 +480,12 @@ class BatchedDFlashProposer(BatchProposer):
         # Slot k predicts the token at anchor + k; slot 0's output is unused.
         logits = self.single.head_logits(hidden[:, 1:].reshape(b * (block - 1), -1)).view(b, block - 1, -1)
         tokens, confidence = self.draft.propose_tokens(hidden[:, 1:], logits, anchors)
+        if self.draft.candidate_selector is None:  # constrained greedy rows: drafts the grammar allows
+            for i, row in enumerate(rows):
+                if row.grammar is not None and (row.sampling.greedy or not self.sampled_drafts):
+                    t0 = time.perf_counter()
+                    steer_drafts(row.grammar, logits[i], tokens[i], confidence[i])
+                    row.result.grammar_s += time.perf_counter() - t0
         self._drafted_q = [None] * b
         if (
             self.sampled_drafts

@@ -13,6 +13,14 @@ import torch
 
 from ..datasets import BenchDataset
 from ..progress import busy_machine_warning
+from ..tool_calls import (
+    ToolChoice,
+    ToolError,
+    encode_tool_prompt,
+    parse_tool_choice,
+    parse_tools,
+    tool_constraint,
+)
 from .config import (
     DFLASH_METHODS,
     LLAMACPP_METHODS,
@@ -268,6 +276,14 @@ class LocalMethods:
         )
 
 
+def conv_tools(conv: Any) -> tuple[list[dict[str, Any]], ToolChoice] | None:
+    """A tool-call record's checked tools and tool choice (None for other records)."""
+    if not conv.meta.get("tools"):
+        return None
+    tools = parse_tools(conv.meta["tools"])
+    return tools, parse_tool_choice(conv.meta.get("tool_choice"), tools)
+
+
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     """Run the local benchmark and write results.json, report.md and plots to `cfg.out_dir`; return the results."""
     validate_config(cfg)
@@ -275,7 +291,17 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 
     check_config(cfg)  # llama.cpp's GGUF files and server, where its methods run
     datasets = load_datasets(cfg.datasets, cfg.max_samples, cfg.seed)
-    structured = [ds.name for ds in datasets if any(c.meta.get("response_format") for c in ds.conversations)]
+    for ds in datasets:
+        for conv in ds.conversations:
+            try:
+                conv_tools(conv)
+            except ToolError as e:
+                raise BenchError(f"{ds.name}, record {conv.id}: {e}") from None
+    structured = [
+        ds.name
+        for ds in datasets
+        if any(c.meta.get("response_format") or c.meta.get("tools") for c in ds.conversations)
+    ]
     unconstrained = [m for m in cfg.methods if m not in ("ar", *DFLASH_METHODS)]
     if structured and unconstrained:
         raise BenchError(
@@ -344,9 +370,17 @@ def _measure(
                     progress.update(task, description=ds.name)
                     for conv in ds.conversations:
                         messages: list[dict[str, str]] = []
+                        tools = conv_tools(conv)
                         for turn, user_text in enumerate(conv.user_turns):
                             messages.append({"role": "user", "content": user_text})
-                            ids = encode(messages, conv.system)
+                            if tools is None:
+                                ids, fmt = encode(messages, conv.system), conv.meta.get("response_format")
+                            else:  # a tool-call record: the tools shown, `required` / named enforced
+                                system = [{"role": "system", "content": conv.system}] if conv.system else []
+                                ids = encode_tool_prompt(
+                                    target, system + messages, tools[0], enable_thinking=cfg.thinking
+                                )
+                                fmt = tool_constraint(*tools)
                             if ids.shape[1] + cfg.max_new_tokens > target.max_context:
                                 skipped.append(
                                     {"dataset": ds.name, "conversation_id": conv.id, "turn": turn,
@@ -359,7 +393,6 @@ def _measure(
                             shift = prompt_index % len(cfg.methods)
                             order = cfg.methods[shift:] + cfg.methods[:shift]
                             seed = cfg.seed + prompt_index
-                            fmt = conv.meta.get("response_format")
                             outputs = {m: runner.run(m, ids, cfg.max_new_tokens, seed, fmt) for m in order}
                             ref = outputs[REFERENCE]
                             differing: list[tuple[SampleRecord, list[int]]] = []

@@ -104,7 +104,12 @@ def _choice_text(choice: dict[str, Any], streaming: bool) -> str:
     if "text" in choice and isinstance(choice["text"], str):  # /v1/completions
         return choice["text"]
     part = choice.get("delta" if streaming else "message") or {}
-    return part.get("content") or ""
+    # Tool calls count as output: each as "[tool_call NAME] ARGUMENTS", the same whether streamed or not
+    calls = "".join(
+        (f"\n[tool_call {f['name']}] " if f.get("name") else "") + (f.get("arguments") or "")
+        for f in (call.get("function") or {} for call in part.get("tool_calls") or [])
+    )
+    return (part.get("content") or "") + calls
 
 
 def _payload(
@@ -206,8 +211,9 @@ async def _run_conversation(
             messages.append({"role": "user", "content": user_text})
             req = ServerRequest(dataset=dataset, conversation_id=conv.id, turn=turn)
             body = _payload(cfg, model, messages, cfg.max_new_tokens)
-            if conv.meta.get("response_format") is not None:  # a structured-output record
-                body["response_format"] = conv.meta["response_format"]
+            for name in ("response_format", "tools", "tool_choice"):  # a structured-output record
+                if conv.meta.get(name) is not None:
+                    body[name] = conv.meta[name]
             await _send(client, cfg, url, body, req)
             results.append(req)
             on_done(1)

@@ -17,11 +17,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from ..extras import MissingExtraError
-from ..grammar import GrammarError, compile_constraint
+from ..grammar import Constraint, GrammarError, compile_constraint
+from ..tool_calls import ToolCallParser, ToolError, encode_tool_prompt, parse_tools, tool_constraint
 from .engine import Engine, EngineRequest, QueueFullError, RequestHandle
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -75,8 +77,11 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         if body.messages is not None:
-            messages = [{"role": _role(m.role), "content": m.content} for m in body.messages]
-            ids = target.encode_prompt(messages, template_kwargs=body.chat_template_kwargs)[0].tolist()
+            try:
+                tools = parse_tools(body.tools)
+            except ToolError as e:
+                raise APIError(400, str(e), param=e.param) from None
+            ids = chat_prompt(body.messages, tools, body.chat_template_kwargs)
         else:
             ids = target.encode_prompt(body.prompt or "", chat=False)[0].tolist() if body.prompt else []
         return {"count": len(ids), "max_model_len": target.max_context, "tokens": ids}
@@ -105,7 +110,25 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
             media_type=CONTENT_TYPE_LATEST,
         )
 
-    def check(body: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int]) -> EngineRequest:
+    def chat_prompt(
+        messages: list[Any], tools: list[dict[str, Any]], template_kwargs: dict[str, Any] | None
+    ) -> list[int]:
+        """Token ids of the conversation, with the tools shown as the chat template expects (tool_calls.py)."""
+        try:
+            ids = encode_tool_prompt(
+                target, [m.for_template() for m in messages], tools, template_kwargs=template_kwargs
+            )
+            return ids[0].tolist()
+        except ToolError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        except TemplateError as e:  # the template's own refusal ("roles must alternate"), not a server error
+            raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
+
+    def check(
+        body: ChatCompletionRequest | CompletionRequest,
+        prompt_ids: list[int],
+        call_constraint: Constraint | None = None,
+    ) -> EngineRequest:
         ignored = body.ignored_fields()
         if ignored:
             log.warning("ignoring request fields this server does not use: %s", ", ".join(ignored))
@@ -131,6 +154,11 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
         if any(not 0 <= i < target.vocab_size for i in stop_ids):
             raise APIError(400, f"stop token ids must lie in 0..{target.vocab_size - 1}", param="stop")
         constraint, asked_by = body.constraint()
+        if call_constraint is not None:  # tool_choice required / a named function
+            if constraint is not None:
+                raise APIError(400, f"tool_choice and {asked_by} both constrain the output: give one",
+                               param="tool_choice")  # fmt: skip
+            constraint, asked_by = call_constraint, "tools"
         if constraint is not None:
             try:  # compiled here (and cached), so a bad schema is a 400 before the request queues
                 compile_constraint(target, constraint)
@@ -154,8 +182,12 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
         prompt_ids: list[int],
         chunk: Any,
         final: Any,
+        call_constraint: Constraint | None = None,
+        parser: Any = None,
     ) -> Response:
-        request = check(body, prompt_ids)
+        """Queue the request and answer it, streamed or whole. `parser`: a new ToolCallParser per call when the
+        answer may hold tool calls (the streamed deltas are its; `final` parses the whole text itself)."""
+        request = check(body, prompt_ids, call_constraint)
         ignored = body.ignored_fields()
         headers = {IGNORED_HEADER: ",".join(ignored)} if ignored else None
         try:
@@ -168,8 +200,8 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                _sse(handle, rid, chunk, final, include_usage, lambda info: metrics.observe(
-                    endpoint, 200, info, time.perf_counter() - t0)),
+                _sse(handle, rid, chunk, include_usage, lambda info: metrics.observe(
+                    endpoint, 200, info, time.perf_counter() - t0), parser() if parser else None),
                 media_type="text/event-stream", headers=headers,
             )  # fmt: skip
         pieces: list[str] = []
@@ -192,23 +224,36 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest) -> Response:
-        messages = [{"role": _role(m.role), "content": m.content} for m in body.messages]
-        prompt_ids = target.encode_prompt(messages, template_kwargs=body.chat_template_kwargs)[0].tolist()
+        tools, choice = body.tool_plan()
+        shown = tools if choice.mode != "none" else []  # tool_choice "none": the model is not shown them
+        prompt_ids = chat_prompt(body.messages, shown, body.chat_template_kwargs)
+        names = frozenset(t["function"]["name"] for t in shown)
+        parser = (lambda: ToolCallParser(names, body.parallel_tool_calls)) if shown else None
 
         def chunk(rid: str, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
             return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model_name,
                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}  # fmt: skip
 
         def final(rid: str, text: str, info: dict[str, Any]) -> dict[str, Any]:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            finish = info["finish_reason"]
+            if parser is not None:
+                tool_output = parser()
+                tool_output.feed(text)
+                tool_output.finish()
+                message["content"] = tool_output.content or None
+                if tool_output.calls:
+                    message["tool_calls"] = tool_output.calls
+                    finish = "tool_calls" if finish == "stop" else finish
             return {
                 "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": info["finish_reason"], "logprobs": None,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None,
                              **_token_ids(body, prompt_ids, info)}],
                 "usage": _usage(info), "spec_decode": info.get("spec_decode"),
             }  # fmt: skip
 
-        return await run("chat", body, prompt_ids, chunk, final)
+        constraint = tool_constraint(tools, choice, body.parallel_tool_calls)
+        return await run("chat", body, prompt_ids, chunk, final, constraint, parser)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
@@ -246,10 +291,6 @@ def _token_ids(body: Any, prompt_ids: list[int], info: dict[str, Any]) -> dict[s
     return {"prompt_token_ids": prompt_ids, "token_ids": info["result"].new_tokens}
 
 
-def _role(role: str) -> str:
-    return "system" if role == "developer" else role
-
-
 def _meta_info(rid: str, info: dict[str, Any]) -> dict[str, Any]:
     """SGLang's `meta_info` (what z-lab's benchmark harness reads τ from): verify forwards of the decode phase and
     tokens per verify forward, bonus token included, with the histogram of tokens per step."""
@@ -273,7 +314,12 @@ def _usage(info: dict[str, Any]) -> dict[str, int]:
 
 
 async def _sse(
-    handle: RequestHandle, rid: str, chunk: Any, final: Any, include_usage: bool, on_done: Any
+    handle: RequestHandle,
+    rid: str,
+    chunk: Any,
+    include_usage: bool,
+    on_done: Any,
+    parser: ToolCallParser | None = None,
 ) -> AsyncIterator[str]:
     def event(obj: Any) -> str:
         return f"data: {json.dumps(obj)}\n\n"
@@ -283,13 +329,19 @@ async def _sse(
         while True:
             kind, value = await handle.events.get()
             if kind == "text":
-                yield event(chunk(rid, {"content": value}, None))
+                for delta in parser.feed(value) if parser else [{"content": value}]:
+                    yield event(chunk(rid, delta, None))
             elif kind == "error":
                 yield event(APIError(500, value, "server_error").body())
                 break
             else:
                 on_done(value)
-                last = chunk(rid, {}, value["finish_reason"])
+                finish = value["finish_reason"]
+                if parser is not None:
+                    for delta in parser.finish():
+                        yield event(chunk(rid, delta, None))
+                    finish = "tool_calls" if parser.calls and finish == "stop" else finish
+                last = chunk(rid, {}, finish)
                 last["spec_decode"] = value.get("spec_decode")
                 yield event(last)
                 if include_usage:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..grammar import Constraint, GrammarError, constraint_from_response_format
+from ..tool_calls import ToolChoice, ToolError, parse_tool_choice, parse_tools
 
 
 class APIError(Exception):
@@ -41,9 +43,7 @@ class StreamOptions(BaseModel):
 # this server does not know cannot change the answer and is ignored with a warning (logged and named in the
 # `x-flashdraft-ignored-fields` response header), as vLLM does.
 REFUSED_UNLESS = {
-    "tools": lambda v: not v,
-    "functions": lambda v: not v,
-    "tool_choice": lambda v: v in (None, "none"),
+    "functions": lambda v: not v,  # the deprecated forms of tools / tool_choice
     "function_call": lambda v: v in (None, "none"),
     "top_logprobs": lambda v: not v,
     "prompt_logprobs": lambda v: not v,
@@ -186,14 +186,45 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str | dict[str, Any]
+
+    @field_validator("arguments")
+    @classmethod
+    def _object(cls, value: str | dict[str, Any]) -> dict[str, Any]:
+        """OpenAI sends a call's arguments as JSON text; chat templates want the object."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value) if value.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ValueError(f"the arguments are not valid JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError("the arguments must be a JSON object")
+        return value
+
+
+class ToolCall(BaseModel):
+    """A call in an assistant message of the history."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[ContentPart]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message answers this call
+    name: str | None = None
 
     @field_validator("content")
     @classmethod
-    def _text(cls, value: str | list[ContentPart]) -> str:
+    def _text(cls, value: str | list[ContentPart] | None) -> str | None:
         """A string, or an array of content parts (OpenAI's other form): text parts are joined; anything else
         (images, audio, files) is refused, since the target reads text only."""
         if isinstance(value, list):
@@ -203,10 +234,49 @@ class ChatMessage(BaseModel):
             value = "".join(p.text or "" for p in value)
         return clean_text(value)
 
+    @model_validator(mode="after")
+    def _content_given(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it (developer is system; a call's arguments an object)."""
+        out: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.content,
+        }
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": c.function.arguments},
+                }
+                for c in self.tool_calls
+            ]
+            out["content"] = self.content or ""
+        if self.role == "tool":
+            out.update({k: v for k, v in (("tool_call_id", self.tool_call_id), ("name", self.name)) if v})
+        return out
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+
+    def tool_plan(self) -> tuple[list[dict[str, Any]], ToolChoice]:
+        """The checked tools and tool choice (a 400 naming the field if bad)."""
+        try:
+            tools = parse_tools(self.tools)
+            return tools, parse_tool_choice(self.tool_choice, tools)
+        except ToolError as e:
+            raise APIError(400, str(e), param=e.param) from None
 
     @property
     def limit(self) -> int | None:
@@ -231,6 +301,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     _clean_prompt = field_validator("prompt")(classmethod(lambda cls, v: clean_text(v)))
