@@ -307,3 +307,30 @@ def running_server(app):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+@contextmanager
+def dflash_and_plain_servers(target):
+    """The target served twice, with an untrained block-4 DFlash drafter and plain; yields {"dflash", "plain"}
+    official `openai` clients (served answers must be equal at T=0)."""
+    import openai
+
+    from flashdraft import DFlashDraftModel
+    from flashdraft.serve import Engine, build_app
+
+    drafter = DFlashDraftModel.for_target(
+        target.model.config, num_layers=1, block_size=4, mask_token_id=target.vocab_size - 1
+    )
+    engines = {"dflash": Engine(target, drafter.eval(), block_size=4), "plain": Engine(target)}
+    try:
+        with (
+            running_server(build_app(engines["dflash"], "tiny")) as a,
+            running_server(build_app(engines["plain"], "tiny")) as b,
+        ):
+            yield {
+                name: openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+                for name, base in (("dflash", a), ("plain", b))
+            }
+    finally:
+        for engine in engines.values():
+            engine.close()

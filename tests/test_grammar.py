@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("xgrammar")
 
-from conftest import OracleProposer, byte_tokenizer, on_disk, tiny_model  # noqa: E402
+from conftest import OracleProposer, byte_tokenizer, dflash_and_plain_servers, on_disk, tiny_model  # noqa: E402
 from flashdraft import (  # noqa: E402
     Constraint,
     DFlashDraftModel,
@@ -316,25 +316,9 @@ def test_constrained_sampling_draws_the_constrained_law():
 def servers(targets):
     """The same target served twice: with a DFlash drafter and plain."""
     pytest.importorskip("uvicorn")
-    openai = pytest.importorskip("openai")
-    from conftest import running_server
-    from flashdraft.serve import Engine, build_app
-
-    target = targets["llama"]
-    drafter = DFlashDraftModel.for_target(
-        target.model.config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1
-    )
-    engines = {"dflash": Engine(target, drafter.eval(), block_size=4), "plain": Engine(target)}
-    with (
-        running_server(build_app(engines["dflash"], "tiny")) as a,
-        running_server(build_app(engines["plain"], "tiny")) as b,
-    ):
-        yield {
-            name: openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
-            for name, base in (("dflash", a), ("plain", b))
-        }
-    for engine in engines.values():
-        engine.close()
+    pytest.importorskip("openai")
+    with dflash_and_plain_servers(targets["llama"]) as clients:
+        yield clients
 
 
 MESSAGES = [{"role": "user", "content": "What color is the sky? Answer in JSON."}]

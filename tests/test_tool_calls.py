@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("xgrammar")
 
-from conftest import OracleProposer, byte_tokenizer, on_disk, running_server, tiny_model  # noqa: E402
+from conftest import OracleProposer, byte_tokenizer, dflash_and_plain_servers, on_disk, tiny_model  # noqa: E402
 from flashdraft import DFlashDraftModel, Target, generate, generate_ar  # noqa: E402
 from flashdraft.tool_calls import (  # noqa: E402
     ToolCallParser,
@@ -248,23 +248,9 @@ def test_required_and_named_calls_decode_exactly_as_plain_and_are_valid(
 @pytest.fixture(scope="module")
 def servers(target):
     pytest.importorskip("uvicorn")
-    openai = pytest.importorskip("openai")
-    from flashdraft.serve import Engine, build_app
-
-    drafter = DFlashDraftModel.for_target(
-        target.model.config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1
-    )
-    engines = {"dflash": Engine(target, drafter.eval(), block_size=4), "plain": Engine(target)}
-    with (
-        running_server(build_app(engines["dflash"], "tiny")) as a,
-        running_server(build_app(engines["plain"], "tiny")) as b,
-    ):
-        yield {
-            name: openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
-            for name, base in (("dflash", a), ("plain", b))
-        }
-    for engine in engines.values():
-        engine.close()
+    pytest.importorskip("openai")
+    with dflash_and_plain_servers(target) as clients:
+        yield clients
 
 
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
