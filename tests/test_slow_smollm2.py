@@ -131,3 +131,56 @@ def test_shipped_drafter_under_a_json_schema_is_lossless_and_accepts(target):
         assert set(value) == {"reasoning", "answer"} and isinstance(value["answer"], int)
     else:
         assert text.startswith('{"reasoning": "')
+
+
+@pytest.mark.skipif(not SHIPPED.exists(), reason="no shipped drafter in this checkout")
+def test_served_tool_calls_with_the_shipped_drafter_equal_the_plain_server(target):
+    """Tool calling on the real model, whose template ignores tools (so the convention goes into the system
+    message): `required` and a named function give valid calls of the given tools, streamed as whole, and the DFlash
+    server answers what the plain server does at T=0, `auto` included."""
+    pytest.importorskip("xgrammar")
+    pytest.importorskip("openai")
+    from conftest import running_server
+    from flashdraft import DFlashDraftModel
+    from flashdraft.serve import Engine, build_app
+
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}}},
+        {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
+            "timezone": {"type": "string"}}, "required": ["timezone"]}}},
+    ]  # fmt: skip
+    ask = [{"role": "user", "content": "What is the weather like in Lisbon right now, in celsius?"}]
+    choices = ["required", {"type": "function", "function": {"name": "get_time"}}, "auto"]
+    draft = DFlashDraftModel.from_pretrained(SHIPPED, dtype=target.dtype).eval()
+    answers = {}
+    for name, engine in (("dflash", Engine(target, draft)), ("plain", Engine(target))):
+        import openai
+
+        with running_server(build_app(engine, "m")) as base:
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+            got = []
+            for choice in choices:
+                kw = dict(
+                    model="m", messages=ask, tools=tools, tool_choice=choice, temperature=0, max_tokens=64
+                )
+                out = client.chat.completions.create(**kw)
+                message, finish = out.choices[0].message, out.choices[0].finish_reason
+                calls = [
+                    (c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []
+                ]
+                if choice != "auto":
+                    assert finish == "tool_calls" and len(calls) >= 1
+                    assert all(n in ("get_weather", "get_time") for n, _ in calls)
+                    assert choice == "required" or calls[0][0] == "get_time"
+                    streamed = "".join(
+                        p.function.arguments or ""
+                        for chunk in client.chat.completions.create(**kw, stream=True)
+                        for p in (chunk.choices[0].delta.tool_calls or [] if chunk.choices else [])
+                        if p.function
+                    )
+                    assert streamed == "".join(c.function.arguments for c in message.tool_calls)
+                got.append((message.content, calls, finish))
+            answers[name] = got
+        engine.close()
+    assert answers["dflash"] == answers["plain"]
