@@ -207,6 +207,11 @@ class RowGrammar:
                 raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed")
 
 
+def _allowed(words: np.ndarray, token: int) -> bool:
+    """Whether a token's bit is set in a bitmask row (32 tokens per int32 word)."""
+    return bool((int(words[token >> 5]) >> (token & 31)) & 1)
+
+
 STEER_CANDIDATES = 32  # a refused draft's replacement is looked for among the drafter's top tokens first
 
 
@@ -234,21 +239,19 @@ def steer_drafts(
             break
         m.fill_next_token_bitmask(bitmask, 0)
         token = drafts[j]
-        if not (int(words[token >> 5]) >> (token & 31)) & 1:  # refused: the best allowed token instead
+        if not _allowed(words, token):  # refused: the best allowed token instead
             nonzero = np.flatnonzero(words)
             if not len(nonzero):
                 break
             word = int(words[nonzero[0]]) & 0xFFFFFFFF
-            if (
-                len(nonzero) == 1 and word & (word - 1) == 0
-            ):  # the one token the grammar allows: sure to be taken
+            if len(nonzero) == 1 and word & (word - 1) == 0:  # the one token allowed: sure to be taken
                 token = int(nonzero[0]) * 32 + word.bit_length() - 1
                 tokens[j], confidence[j] = token, 1.0
             else:
                 if top is None:  # the drafter's leading candidates and normalisers, all slots at once
                     lse = logits.float().logsumexp(-1).cpu()
                     top = logits.topk(min(STEER_CANDIDATES, vocab), -1).indices.cpu().tolist()
-                token = next((t for t in top[j] if (int(words[t >> 5]) >> (t & 31)) & 1), -1)
+                token = next((t for t in top[j] if _allowed(words, t)), -1)
                 if token < 0:  # none of them allowed: the whole vocabulary, masked
                     masked = logits[j : j + 1].float().cpu().clone()
                     xgr.apply_token_bitmask_inplace(masked, bitmask)

@@ -211,21 +211,19 @@ def tool_messages(
             "tools",
         )
     out: list[dict[str, Any]] = []
-    for m in messages:
-        if m["role"] == "tool":
+    for i, m in enumerate(messages):
+        if m["role"] == "tool":  # the results of one round of calls go back as one user turn
             text = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
-            if out and out[-1]["role"] == "user" and out[-1].get("_tool_results"):
+            if i and messages[i - 1]["role"] == "tool":
                 out[-1]["content"] += "\n" + text
             else:
-                out.append({"role": "user", "content": text, "_tool_results": True})
+                out.append({"role": "user", "content": text})
         elif m.get("tool_calls"):
             parts = [m["content"]] if m.get("content") else []
             parts += [_call_text(c) for c in m["tool_calls"]]
             out.append({"role": "assistant", "content": "\n".join(parts)})
         else:
             out.append({"role": m["role"], "content": m.get("content") or ""})
-    for m in out:
-        m.pop("_tool_results", None)
     if tools:
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{_system_text(tools)}"}

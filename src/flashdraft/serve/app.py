@@ -23,7 +23,14 @@ from starlette.exceptions import HTTPException
 
 from ..extras import MissingExtraError
 from ..grammar import Constraint, GrammarError, compile_constraint
-from ..tool_calls import ToolCallParser, ToolError, encode_tool_prompt, parse_tools, tool_constraint
+from ..tool_calls import (
+    ToolCallParser,
+    ToolError,
+    encode_tool_prompt,
+    parse_tool_output,
+    parse_tools,
+    tool_constraint,
+)
 from .engine import Engine, EngineRequest, QueueFullError, RequestHandle
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -185,8 +192,8 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
         call_constraint: Constraint | None = None,
         parser: Any = None,
     ) -> Response:
-        """Queue the request and answer it, streamed or whole. `parser`: a new ToolCallParser per call when the
-        answer may hold tool calls (the streamed deltas are its; `final` parses the whole text itself)."""
+        """Queue the request and answer it, streamed or whole. `parser`: makes a ToolCallParser when the answer may
+        hold tool calls (a stream's deltas are its; `final` parses a whole answer the same way)."""
         request = check(body, prompt_ids, call_constraint)
         ignored = body.ignored_fields()
         headers = {IGNORED_HEADER: ",".join(ignored)} if ignored else None
@@ -238,12 +245,9 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             finish = info["finish_reason"]
             if parser is not None:
-                tool_output = parser()
-                tool_output.feed(text)
-                tool_output.finish()
-                message["content"] = tool_output.content or None
-                if tool_output.calls:
-                    message["tool_calls"] = tool_output.calls
+                message["content"], calls = parse_tool_output(text, names, body.parallel_tool_calls)
+                if calls:
+                    message["tool_calls"] = calls
                     finish = "tool_calls" if finish == "stop" else finish
             return {
                 "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
