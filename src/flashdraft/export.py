@@ -124,11 +124,21 @@ def write_model_card(out_dir: Path, draft: DFlashDraftModel, info: dict[str, Any
         for name, r in info["eval"].items():
             lines.append(f"| {name} | {r['prompts']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} |")
         lines.append("")
+    target, k = info.get("target"), c.block_size - 1
     lines += [
         "## Use",
         "",
         "```bash",
-        f'flashdraft generate --target {info.get("target")} --draft <this directory> --compare-ar "Hello"',
+        f'flashdraft generate --target {target} --draft <this directory> --compare-ar "Hello"',
+        f"vllm serve {target} --speculative-config "
+        f'\'{{"method": "dflash", "model": "<this directory>", "num_speculative_tokens": {k}}}\'',
+        f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
+        f"--speculative-draft-model-path <this directory> --speculative-num-draft-tokens {c.block_size}",
+        "# llama.cpp: its converter reads the target's directory (tokenizer, layers) beside this one",
+        "python convert_hf_to_gguf.py <the target's directory> --outfile target.gguf",
+        "python convert_hf_to_gguf.py <this directory> --target-model-dir <the target's directory> "
+        "--outfile drafter.gguf",
+        f"llama-server -m target.gguf --model-draft drafter.gguf --spec-type draft-dflash --spec-draft-n-max {k}",
         "```",
         "",
     ]
