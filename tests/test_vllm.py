@@ -51,6 +51,7 @@ MASK = VOCAB - 1
 BLOCK = 8
 TAPS = [1, 3, 4]
 MAX_TOKENS = 40
+MAX_MODEL_LEN = 256
 PROMPTS = [[5, 9, 11, 20, 33, 7], [12, 3, 3, 40, 41, 42, 43, 44, 8], [7, 7, 60, 2, 19]]
 
 
@@ -133,7 +134,7 @@ def vllm_decode(target_dir: Path, draft_dir: Path | None, prompts=PROMPTS, draft
     if draft_dir is not None:
         spec = {"method": "dflash", "model": str(draft_dir), "num_speculative_tokens": drafts}
     llm = LLM(
-        model=str(target_dir), skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True,
+        model=str(target_dir), skip_tokenizer_init=True, dtype="float32", max_model_len=MAX_MODEL_LEN, enforce_eager=True,
         speculative_config=spec, disable_log_stats=False, seed=0,
     )  # fmt: skip
     accepted: list[int] = []
