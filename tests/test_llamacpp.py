@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -52,35 +53,41 @@ def convert(src: Path, out: Path, *extra: str) -> Path:
     return out
 
 
+class Setup(NamedTuple):
+    target: Any  # flashdraft's Target
+    draft: DFlashDraftModel  # the shipped drafter
+    target_dir: Path  # the pack's safetensors directory, which llama.cpp's converter reads
+    gguf_target: Path
+    gguf_draft: Path
+    prompts: list[list[int]]  # GSM8K prompts as token ids, through the chat template
+    root: Path
+
+
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory) -> Setup:
     """The target and drafter in flashdraft and as llama.cpp GGUF files, and the GSM8K prompts as token ids."""
     torch.set_num_threads(2)
     root = tmp_path_factory.mktemp("llamacpp")
     target_dir = Path(resolve_model("smollm2-135m-instruct"))
     target = load_target("smollm2-135m-instruct")
-    draft = DFlashDraftModel.from_pretrained(SHIPPED, dtype=torch.float32)
-    gguf_target = convert(target_dir, root / "target-f32.gguf")
-    gguf_draft = convert(SHIPPED, root / "drafter-f32.gguf", "--target-model-dir", str(target_dir))
     bench = load_bench_dataset("gsm8k", max_samples=PROMPTS, seed=0)
-    prompts = [target.encode_prompt(c.user_turns[0])[0].tolist() for c in bench.conversations]
-    return target, draft, gguf_target, gguf_draft, prompts, root
-
-
-def serve(method: str, setup, gguf_draft: Path | None = None, **draft):
-    _, _, gguf_target, shipped_gguf, _, root = setup
-    gguf_draft = gguf_draft or shipped_gguf
-    binary = find_server(Path(LLAMACPP) / "build" / "bin")
-    return LlamaCppServer(
-        method, binary, gguf_target, threads=2, context=1024, log_path=root / f"{method}.log",
-        draft=gguf_draft if method == "llamacpp-dflash" else None, **draft,
+    return Setup(
+        target, DFlashDraftModel.from_pretrained(SHIPPED, dtype=torch.float32), target_dir,
+        convert(target_dir, root / "target-f32.gguf"),
+        convert(SHIPPED, root / "drafter-f32.gguf", "--target-model-dir", str(target_dir)),
+        [target.encode_prompt(c.user_turns[0])[0].tolist() for c in bench.conversations], root,
     )  # fmt: skip
 
 
-def llamacpp_run(method: str, setup, gguf_draft: Path | None = None, **draft) -> list[dict]:
-    server = serve(method, setup, gguf_draft, **draft)
+def llamacpp_run(method: str, setup: Setup, gguf_draft: Path | None = None, **draft) -> list[dict]:
+    """Every prompt through one llama-server (the shipped drafter's GGUF unless `gguf_draft` names another)."""
+    server = LlamaCppServer(
+        method, find_server(Path(LLAMACPP) / "build" / "bin"), setup.gguf_target, threads=2, context=1024,
+        log_path=setup.root / f"{method}.log",
+        draft=(gguf_draft or setup.gguf_draft) if method == "llamacpp-dflash" else None, **draft,
+    )  # fmt: skip
     try:
-        return [server.complete(p, MAX_NEW, temperature=0.0, seed=0, stop_ids=[]) for p in setup[4]]
+        return [server.complete(p, MAX_NEW, temperature=0.0, seed=0, stop_ids=[]) for p in setup.prompts]
     finally:
         server.close()
 
@@ -103,13 +110,19 @@ def flashdraft_counts(target, draft, prompt: list[int], block: int) -> tuple[lis
     return res.new_tokens[:MAX_NEW], drafted, accepted
 
 
-def test_shipped_drafter_in_llamacpp_decodes_plainly_and_accepts_what_flashdraft_accepts(setup):
-    target, draft, *_ = setup
-    prompts = setup[4]
+@pytest.fixture(scope="module")
+def shipped_counts(setup: Setup) -> list[tuple[list[int], int, int]]:
+    """flashdraft_counts of the shipped drafter on every prompt."""
+    return [flashdraft_counts(setup.target, setup.draft, p, setup.draft.block_size) for p in setup.prompts]
+
+
+def test_shipped_drafter_in_llamacpp_decodes_plainly_and_accepts_what_flashdraft_accepts(
+    setup, shipped_counts
+):
+    target, draft, prompts = setup.target, setup.draft, setup.prompts
     plain = llamacpp_run("llamacpp", setup)
     dflash = llamacpp_run("llamacpp-dflash", setup, draft_max=draft.block_size - 1)
-    ours = [flashdraft_counts(target, draft, p, draft.block_size) for p in prompts]
-    for prompt, p, d, (tokens, drafted, accepted) in zip(prompts, plain, dflash, ours, strict=True):
+    for prompt, p, d, (tokens, drafted, accepted) in zip(prompts, plain, dflash, shipped_counts, strict=True):
         reference = generate_ar(target, torch.tensor([prompt]), MAX_NEW, stop_token_ids=[]).new_tokens
         assert p["new_ids"] == reference, "llama.cpp's plain decoding differs from flashdraft's (fp32)"
         assert d["new_ids"] == p["new_ids"], "llama.cpp's DFlash output differs from its plain decoding"
@@ -120,7 +133,7 @@ def test_shipped_drafter_in_llamacpp_decodes_plainly_and_accepts_what_flashdraft
     )
 
 
-def test_dflash2_drafter_in_llamacpp_accepts_what_flashdraft_accepts(setup):
+def test_dflash2_drafter_in_llamacpp_accepts_what_flashdraft_accepts(setup, shipped_counts):
     """A DFlash2 drafter flashdraft writes converts and runs in llama.cpp, and is accepted there as in flashdraft
     (vLLM cannot run DFlash2 on a CPU). It is the shipped drafter's weights under DFlash2's identity convolutions
     and argmax selector, then seeded noise on both (convolutions 0.01, selector 0.3), so that the selector's
@@ -128,7 +141,7 @@ def test_dflash2_drafter_in_llamacpp_accepts_what_flashdraft_accepts(setup):
     convolutions) has near-ties between candidates, which fp32 kernels of two engines may break differently."""
     from flashdraft.export import export_drafter
 
-    target, shipped, _, _, prompts, root = setup
+    target, shipped, prompts = setup.target, setup.draft, setup.prompts
     torch.manual_seed(0)  # the fresh predecessor codes
     draft = shipped.as_dflash2()
     g = torch.Generator().manual_seed(0)
@@ -138,16 +151,14 @@ def test_dflash2_drafter_in_llamacpp_accepts_what_flashdraft_accepts(setup):
                 p.add_(0.01 * torch.randn(p.shape, generator=g))
             elif name.startswith("candidate_selector."):
                 p.add_(0.3 * torch.randn(p.shape, generator=g))
-    out = root / "dflash2"
+    out = setup.root / "dflash2"
     export_drafter(draft.eval(), out, {"target": "smollm2-135m-instruct"}, torch.float32)
     draft = DFlashDraftModel.from_pretrained(out, dtype=torch.float32)
     assert draft.config.is_dflash2
-    target_dir = Path(resolve_model("smollm2-135m-instruct"))
-    gguf = convert(out, root / "dflash2-f32.gguf", "--target-model-dir", str(target_dir))
+    gguf = convert(out, setup.root / "dflash2-f32.gguf", "--target-model-dir", str(setup.target_dir))
     dflash = llamacpp_run("llamacpp-dflash", setup, gguf, draft_max=draft.block_size - 1)
     ours = [flashdraft_counts(target, draft, p, draft.block_size) for p in prompts]
-    shipped_counts = [flashdraft_counts(target, shipped, p, shipped.block_size)[1:] for p in prompts]
-    assert [c[1:] for c in ours] != shipped_counts, (
+    assert [c[1:] for c in ours] != [c[1:] for c in shipped_counts], (
         "the perturbation changed nothing: the test would miss DFlash2"
     )
     for d, (tokens, drafted, accepted) in zip(dflash, ours, strict=True):

@@ -38,7 +38,7 @@ os.environ.setdefault(
 )  # the engine in this process: its stats can be wrapped
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default takes a share of the machine
 
-vllm = pytest.importorskip("vllm", reason="vLLM's CPU package: make test-vllm")
+pytest.importorskip("vllm", reason="vLLM's CPU package: make test-vllm")
 
 from conftest import hf_greedy  # noqa: E402
 from flashdraft import DFlashDraftModel, Target, generate  # noqa: E402
@@ -112,17 +112,17 @@ def edited_copy(src: Path, out: Path, **dflash_config) -> Path:
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def tiny(request, tmp_path_factory):
-    """(arch, target dir, target model, {drafter name: (dir, model)})."""
+    """(target dir, target model, {drafter name: (dir, model)})."""
     root = tmp_path_factory.mktemp(f"vllm-{request.param}")
     target = save_target(request.param, root / "target")
     drafts = {
         name: (root / name, export_draft(target, root / name, layers=layers))
         for name, layers in (("one-layer", 1), ("two-layer", 2))
     }
-    return request.param, root / "target", target, drafts
+    return root / "target", target, drafts
 
 
-def vllm_decode(target_dir: Path, draft_dir: Path | None, prompts=PROMPTS, drafts: int = BLOCK - 1):
+def vllm_decode(target_dir: Path, draft_dir: Path, prompts=PROMPTS, drafts: int = BLOCK - 1):
     """Per prompt (new tokens, per-step accepted drafts, per-step drafted tokens), one prompt at a time through
     vLLM's offline engine; and vLLM's public counters (drafts, accepted drafts) over all of them."""
     from vllm import LLM, SamplingParams
@@ -130,12 +130,10 @@ def vllm_decode(target_dir: Path, draft_dir: Path | None, prompts=PROMPTS, draft
     from vllm.v1.spec_decode.metrics import SpecDecodingStats
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    spec = None
-    if draft_dir is not None:
-        spec = {"method": "dflash", "model": str(draft_dir), "num_speculative_tokens": drafts}
     llm = LLM(
-        model=str(target_dir), skip_tokenizer_init=True, dtype="float32", max_model_len=MAX_MODEL_LEN, enforce_eager=True,
-        speculative_config=spec, disable_log_stats=False, seed=0,
+        model=str(target_dir), skip_tokenizer_init=True, dtype="float32", max_model_len=MAX_MODEL_LEN,
+        enforce_eager=True, disable_log_stats=False, seed=0,
+        speculative_config={"method": "dflash", "model": str(draft_dir), "num_speculative_tokens": drafts},
     )  # fmt: skip
     accepted: list[int] = []
     drafted: list[list[int]] = []
@@ -146,10 +144,10 @@ def vllm_decode(target_dir: Path, draft_dir: Path | None, prompts=PROMPTS, draft
         return observe(self, num_draft_tokens, num_accepted_tokens)
 
     def recording_propose(self, *args, **kwargs):
-        drafts = propose(self, *args, **kwargs)
-        rows = drafts.tolist() if isinstance(drafts, torch.Tensor) else drafts
+        proposed = propose(self, *args, **kwargs)
+        rows = proposed.tolist() if isinstance(proposed, torch.Tensor) else proposed
         drafted.append(list(rows[0]))
-        return drafts
+        return proposed
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
     results = []
@@ -242,7 +240,7 @@ def same_as_flashdraft(target, draft: DFlashDraftModel, results) -> tuple[bool, 
 def test_one_layer_drafter_runs_in_vllm_as_in_flashdraft(tiny):
     """Outputs equal plain decoding; vLLM drafts, step by step, the tokens flashdraft's proposer drafts from the same
     context, and accepts what flashdraft accepts."""
-    _, target_dir, target, drafts = tiny
+    target_dir, target, drafts = tiny
     draft_dir, draft = drafts["one-layer"]
     results, (drafts_n, accepted_n) = vllm_decode(target_dir, draft_dir)
     assert_exact_outputs(target, results)
@@ -265,7 +263,7 @@ def test_one_layer_drafter_runs_in_vllm_as_in_flashdraft(tiny):
 def test_a_wrong_export_field_is_seen(tiny, tmp_path, field):
     """The comparison sees the fields vLLM must read right: a drafter whose config names a wrong tap (or a wrong
     mask token) still decodes exactly in vLLM, but no longer drafts what flashdraft drafts with the right one."""
-    _, target_dir, target, drafts = tiny
+    target_dir, target, drafts = tiny
     draft_dir, draft = drafts["one-layer"]
     wrong = {"target_layer_ids": [1, 3, 5]} if field == "target_layer_ids" else {"mask_token_id": MASK - 1}
     results, _ = vllm_decode(target_dir, edited_copy(draft_dir, tmp_path / "wrong", **wrong))
@@ -279,7 +277,7 @@ def test_multi_layer_drafter_known_cpu_k_norm_difference(tiny, monkeypatch):
     does."""
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
 
-    _, target_dir, target, drafts = tiny
+    target_dir, target, drafts = tiny
     draft_dir, draft = drafts["two-layer"]
     as_shipped, _ = vllm_decode(target_dir, draft_dir)
     assert_exact_outputs(target, as_shipped)
@@ -298,7 +296,7 @@ def test_fewer_speculative_tokens_draft_a_shorter_block(tiny):
     """vLLM's num_speculative_tokens = K < B - 1 drafts a block of K + 1 (fewer mask slots, so the non-causal
     drafter proposes differently), where flashdraft's --block-size K + 1 drafts the full trained block and verifies
     K + 1 of it: vLLM's drafts are flashdraft's proposer's over a (K + 1)-wide block."""
-    _, target_dir, target, drafts = tiny
+    target_dir, target, drafts = tiny
     draft_dir, draft = drafts["one-layer"]
     results, _ = vllm_decode(target_dir, draft_dir, drafts=3)
     assert_exact_outputs(target, results)
@@ -310,7 +308,7 @@ def test_fewer_speculative_tokens_draft_a_shorter_block(tiny):
 def test_dflash2_drafter_is_refused_by_vllm_on_a_cpu(tiny, tmp_path, monkeypatch):
     """vLLM reads a flashdraft DFlash2 export as a candidate-head (DFlash2) draft and refuses it on a CPU before
     loading anything, under either model runner: it never runs it as a v1 draft."""
-    _, target_dir, target, _ = tiny
+    target_dir, target, _ = tiny
     out = tmp_path / "dflash2"
     export_draft(target, out, arch="dflash2")
     with pytest.raises(Exception, match="DFlash candidate-head drafts"):
