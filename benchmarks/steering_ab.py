@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-import flashdraft.proposers as proposers
+import flashdraft.batched_dflash as proposers
 from flashdraft import DFlashDraftModel, generate, generate_ar, load_target
 from flashdraft.datasets import load_bench_dataset
 from flashdraft.measure import cpu_name

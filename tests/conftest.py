@@ -55,7 +55,9 @@ def tiny_config(arch: str, vocab: int = VOCAB, layers: int = 6, **overrides):
     if arch == "mistral":
         return tf.MistralConfig(sliding_window=None, **common)
     if arch == "gemma3":
-        return tf.Gemma3TextConfig(head_dim=16, sliding_window=8, query_pre_attn_scalar=16, **common)
+        return tf.Gemma3TextConfig(
+            **{"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16, **common}
+        )
     raise ValueError(arch)
 
 

@@ -9,9 +9,10 @@ import torch
 
 from conftest import ARCHS, VOCAB, OracleProposer, tiny_model
 from flashdraft import DFlashDraftModel, GenerationError, Target, generate, generate_ar
+from flashdraft.batched_dflash import BatchedDFlashProposer
 from flashdraft.engine import BatchDecoder, BatchRow
 from flashdraft.generate import generate_batch
-from flashdraft.proposers import BatchedDFlashProposer, DFlashProposer, PerRowProposers
+from flashdraft.proposers import DFlashProposer, PerRowProposers
 from flashdraft.sampling import SamplingParams
 
 

@@ -119,7 +119,7 @@ def test_the_grammar_steers_the_drafts_so_forced_text_is_accepted_whole(targets,
     """Text the grammar forces token by token (characters the tokenizer never merged: one spelling) is drafted as
     the grammar allows it, so every verify accepts all it drafted, at T=0 and with seeded sampling; the answer is
     still plain decoding's. Without the steering an untrained drafter gets none of it."""
-    import flashdraft.proposers
+    import flashdraft.batched_dflash
 
     target = targets["qwen3"]
     ids = target.encode_prompt([{"role": "user", "content": PROMPT}])
@@ -138,7 +138,7 @@ def test_the_grammar_steers_the_drafts_so_forced_text_is_accepted_whole(targets,
             block_size,
             steps,
         )
-    monkeypatch.setattr(flashdraft.proposers, "steer_drafts", lambda *args: 0)
+    monkeypatch.setattr(flashdraft.batched_dflash, "steer_drafts", lambda *args: 0)
     unsteered = generate(target, drafter, ids, 40, block_size=8, **kw)
     assert unsteered.new_tokens == plain.new_tokens and max(unsteered.acceptance_lengths) < 3
 

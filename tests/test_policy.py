@@ -7,12 +7,13 @@ import torch
 
 from conftest import VOCAB
 from flashdraft import DFlashDraftModel, Target, generate, generate_ar
+from flashdraft.batched_dflash import BatchedDFlashProposer
 from flashdraft.costs import CostModel
 from flashdraft.engine import BatchDecoder
 from flashdraft.kv_cache import bucket
+from flashdraft.lookup import prompt_lookup
 from flashdraft.measure import measure_costs
 from flashdraft.policy import AcceptanceTable, best_verify_length, expected_tokens
-from flashdraft.proposers import BatchedDFlashProposer, prompt_lookup
 
 
 def cpu_like_costs(block: int = 8, draft_s: float = 0.2) -> CostModel:
@@ -168,7 +169,7 @@ def test_batched_verify_prices_each_shape_as_measured(tiny):
     target, draft = tiny
     costs = cpu_like_costs()
     proposer = BatchedDFlashProposer(draft, target, costs, lookup=False)
-    probs = [torch.full((3,), 0.6)] * 4
+    probs = [expected_tokens(torch.full((3,), 0.6))] * 4
     assert proposer._batch_rate(probs, 0.0, 100, 3)[0] > 0  # as priced by the cost model, drafts pay
     for _ in range(20):
         proposer.timed(4, 1, 100, float(costs.verify_s(4, 100)))
@@ -197,7 +198,7 @@ def test_padded_verifies_are_priced_at_the_length_that_runs(tiny):
     target, draft = tiny
     costs = cpu_like_costs()
     proposer = BatchedDFlashProposer(draft, target, costs, lookup=False)
-    probs = [torch.tensor([0.9, 0.9, 0.9, 0.9, 0.02, 0.02, 0.02])]
+    probs = [expected_tokens(torch.tensor([0.9, 0.9, 0.9, 0.9, 0.02, 0.02, 0.02]))]
     assert proposer._batch_rate(probs, 0.0, 100, 7)[0] == 4
     decoder = BatchDecoder(target, proposer)
     assert proposer.padded_lengths is None  # no buckets on the CPU: priced as proposed
@@ -205,4 +206,4 @@ def test_padded_verifies_are_priced_at_the_length_that_runs(tiny):
     assert proposer.padded_lengths == [1, 2, 4, 4, 8, 8, 8, 8]
     n, rate = proposer._batch_rate(probs, 0.0, 100, 7)
     assert n == 3
-    assert rate == pytest.approx(float(expected_tokens(probs[0])[3]) / float(costs.verify_s(4, 100)))
+    assert rate == pytest.approx(float(probs[0][3]) / float(costs.verify_s(4, 100)))

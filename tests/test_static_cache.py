@@ -44,9 +44,9 @@ def decode_rows(target, model, prompts, limits, temperature, record=None):
     if record is not None:
         forward = decoder.forward_block
 
-        def recorded(block, positions):
+        def recorded(block, positions, tree=None):
             record.append((tuple(block.shape), kv_layers(decoder.cache)[0].static.capacity))
-            return forward(block, positions)
+            return forward(block, positions, tree)
 
         decoder.forward_block = recorded
     got = run(

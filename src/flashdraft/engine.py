@@ -64,6 +64,15 @@ from .sampling import (
     verify_greedy_rows,
 )
 from .target import Target, TargetOutput
+from .tree import (
+    ancestor_mask,
+    block_parents,
+    chain_parents,
+    depths,
+    tree_refusal,
+    tree_window,
+    verify_tree,
+)
 
 if TYPE_CHECKING:
     from .proposers import BatchProposer
@@ -145,6 +154,8 @@ class BatchDecoder:
         # without waiting for the device; a verify sends it over as its mask)
         self.valid: torch.Tensor | None = None
         self.sliding = is_sliding(target)
+        # Draft trees (tree.py): why this target cannot verify them exactly, if it cannot; a sliding window's size.
+        self.tree_refusal, self.tree_window = tree_refusal(target), tree_window(target)
         on_gpu = target.device.type == "cuda"
         # The static cache (kv_cache.py): on a GPU by default, where the target allows it (`target.static_cache`
         # forces it either way: the tests run it on the CPU).
@@ -355,18 +366,30 @@ class BatchDecoder:
             block[i, 1 + p.shape[0] :] = p[-1] if p.shape[0] else anchors[i]
         return block.to(device)
 
-    def forward_block(self, block: torch.Tensor, positions: torch.Tensor) -> TargetOutput:
-        """The target's forward over the block [b, n] after the cache, which then holds the block's columns."""
+    def forward_block(
+        self, block: torch.Tensor, positions: torch.Tensor, tree: torch.Tensor | None = None
+    ) -> TargetOutput:
+        """The target's forward over the block [b, n] after the cache, which then holds the block's columns.
+        `tree` [b, n, n] bool: which block columns each one sees (draft trees, tree.py; None: causal)."""
         n = block.shape[1]
         if self.static:
             columns = self.valid.shape[1]
             static = reserve(self.cache, columns + n, mark_static=self.verify.compiled)
             static.columns = torch.arange(columns, columns + n, device=block.device)
             valid = self.valid.to(block.device, non_blocking=True)
-            mask = static_mask(valid, n, static.capacity, self.target.dtype)
+            tree = None if tree is None else tree.to(block.device, non_blocking=True)
+            mask = static_mask(valid, n, static.capacity, self.target.dtype, tree)
             logits, features = self.verify(block, positions, mask, self.cache)
             set_length(self.cache, columns + n)
             return TargetOutput(logits=logits, features=features)
+        if tree is not None:  # a [b, 1, n, C + n] additive mask: each row's cached columns, then its tree
+            valid = self.valid[:, None, :].expand(-1, n, -1)
+            sees = torch.cat([valid, tree], 2)[:, None].to(block.device)
+            mask = torch.zeros(sees.shape, dtype=self.target.dtype, device=block.device)
+            mask.masked_fill_(~sees, torch.finfo(self.target.dtype).min)
+            return self.target.forward(
+                block, self.cache, self.proposer.tap_layer_ids, attention_mask=mask, position_ids=positions
+            )
         # Without holes every row holds the same C tokens and its block sits at positions C.., the model's own
         # defaults: no explicit mask (one row always; the causal fast path of SDPA stays available).
         mask = None
@@ -379,6 +402,25 @@ class BatchDecoder:
             attention_mask=mask,
             position_ids=None if mask is None else positions,
         )
+
+    def _check_tree(self, row: BatchRow, n: int) -> None:
+        """A draft tree is verified under a mask of its own (no sliding window, no recurrent state): a proposer that
+        gives one where that is not exact (a block of n reaching past a sliding window) is a bug, never run."""
+        if self.tree_refusal is not None:
+            raise RuntimeError(f"a draft tree was proposed for a target with {self.tree_refusal}")
+        if self.tree_window is not None and row.anchor_position + n + 1 >= self.tree_window:
+            raise RuntimeError(f"a draft tree was proposed past the target's {self.tree_window}-token window")
+
+    def _gather_block(self, order: torch.Tensor) -> None:
+        """Draft trees: each row's block columns (the cache's last n) put in `order` [b, n] (its accepted path
+        first), so the columns it keeps are the block's first ones, as a chain's are."""
+        n = order.shape[1]
+        order = order.to(self.target.device)
+        for layer in kv_layers(self.cache):
+            for name in ("keys", "values"):
+                tail = getattr(layer, name)[:, :, -n:]
+                idx = order[:, None, :, None].expand(-1, tail.shape[1], -1, tail.shape[3])
+                tail.copy_(torch.gather(tail, 2, idx))
 
     @staticmethod
     def _constrain(rows: list[BatchRow], block: torch.Tensor, out: TargetOutput) -> dict[int, int]:
@@ -402,35 +444,62 @@ class BatchDecoder:
         remaining = [r.max_new_tokens - len(r.tokens) for r in rows]
         max_drafts = [min(self.block_size - 1, m - 1) for m in remaining]
         proposals = self.proposer.propose(rows, max_drafts)
-        for p, m in zip(proposals, max_drafts, strict=True):
-            if p.shape[0] > max(m, 0):
+        # Draft trees (tree.py): each tree row's parents over the block; chains keep the causal block.
+        trees = {i: t for i in range(len(rows)) if (t := self.proposer.tree_parents(i)) is not None}
+        for i, (p, m) in enumerate(zip(proposals, max_drafts, strict=True)):
+            length = max(depths(trees[i]), default=-1) + 1 if i in trees else p.shape[0]
+            if length > max(m, 0):
                 raise RuntimeError(
-                    f"{type(self.proposer).__name__} proposed {p.shape[0]} tokens, at most {m} allowed"
+                    f"{type(self.proposer).__name__} proposed {length} tokens deep, at most {m} allowed"
                 )
         n = 1 + max(p.shape[0] for p in proposals)
         if self.verify_buckets:
             n = bucket(n, self.block_size, self.verify_buckets)
+        for i in trees:
+            self._check_tree(rows[i], n)
         block = self._block(rows, proposals, n)
         starts = torch.tensor([r.anchor_position for r in rows], device=device)
-        positions = starts[:, None] + torch.arange(n, device=device)
+        parents, tree_mask, block_ids = None, None, None
+        if trees:
+            parents = [
+                block_parents(trees[i] if i in trees else chain_parents(p.shape[0]), n)
+                for i, p in enumerate(proposals)
+            ]
+            positions = starts[:, None] + torch.tensor([depths(p) for p in parents], device=device)
+            tree_mask = torch.stack([ancestor_mask(p) for p in parents])
+            block_ids = block.tolist()
+        else:
+            positions = starts[:, None] + torch.arange(n, device=device)
         t0 = time.perf_counter()
-        out = self.forward_block(block, positions)
+        out = self.forward_block(block, positions, tree_mask)
         t_grammar = time.perf_counter()
         dead = self._constrain(rows, block, out)
         t_grammar = time.perf_counter() - t_grammar
 
         kept = torch.zeros(len(rows), n, dtype=torch.bool)
         finished, features, own_accepted, kept_counts = [], [], [], []
+        paths: list[list[int] | None] = [None] * len(rows)  # tree rows: the nodes their target accepted
+        order = torch.arange(n).repeat(len(rows), 1) if trees else None  # tree rows: their path first
         # Greedy rows: one accept decision for all of them, one transfer to the host.
-        greedy = [i for i, r in enumerate(rows) if r.sampling.greedy]
+        greedy = [i for i, r in enumerate(rows) if r.sampling.greedy and i not in trees]
         # No copy of the logits when every row is greedy.
         pick = slice(None) if len(greedy) == len(rows) else greedy
         decided = verify_greedy_rows(out.logits[pick], block[pick, 1:]) if greedy else None
         decided = dict(zip(greedy, decided, strict=True)) if decided is not None else {}
         for i, row in enumerate(rows):
             real = proposals[i].shape[0]
+            path = None
             if i in decided:
                 accepted, emitted = decided[i]
+            elif i in trees:
+                path, emitted = verify_tree(
+                    out.logits[i],
+                    block_ids[i],
+                    parents[i],
+                    row.sampling,
+                    row.uniforms(row.anchor_position + 1, n),
+                )
+                accepted = len(path) - 1
             elif self.proposer.sampled_drafts and not row.sampling.greedy:  # speculative sampling (p/q)
                 start = row.anchor_position + 1
                 accepted, emitted = verify_block_pq(
@@ -453,7 +522,13 @@ class BatchDecoder:
             reason = None
             if i in dead and dead[i] <= accepted:  # the grammar allows no token there: the row ends before it
                 accepted, emitted, reason = dead[i], emitted[: dead[i]], "no_allowed_token"
-            own_accepted.append(min(accepted, real))
+            if path is None:
+                own_accepted.append(min(accepted, real))
+            else:
+                paths[i] = [c - 1 for c in path[1 : accepted + 1] if c <= real]
+                own_accepted.append(len(paths[i]))
+                order[i, : len(path)] = torch.tensor(path)
+                order[i, len(path) :] = torch.tensor([c for c in range(n) if c not in path])
             emitted, stopped = cut_emitted(emitted, remaining[i], row.stops)
             if stopped:
                 reason = "stop_token"
@@ -473,17 +548,20 @@ class BatchDecoder:
                 reason = "max_new_tokens"
             kept[i, : accepted + 1] = True
             kept_counts.append(accepted + 1)
-            features.append(None if out.features is None else out.features[i : i + 1, : accepted + 1])
+            taken = slice(None, accepted + 1) if path is None else path[: accepted + 1]
+            features.append(None if out.features is None else out.features[i : i + 1, taken])
             if reason is not None:
                 res.proposer_stats = self.proposer.stats(i)
                 row.finish(reason)
                 finished.append(row)
+        if trees and not bool((order == torch.arange(n)).all()):
+            self._gather_block(order)
         # Recurrent state: each row keeps its anchor + accepted drafts (its KV columns are masked below).
         self.target.keep(self.cache, kept_counts)
         # Verify forward + acceptance bookkeeping: what a step costs besides proposing.
         context = sum(r.anchor_position for r in rows) // len(rows)
         self.proposer.timed(len(rows), n, context, time.perf_counter() - t0)
-        self.proposer.observe(rows, [p.shape[0] for p in proposals], own_accepted)
+        self.proposer.observe(rows, [p.shape[0] for p in proposals], own_accepted, paths)
         self.proposer.accept(rows, features)
 
         # Roll back: keep the block columns some row still needs; a row's rejected columns become holes.

@@ -21,22 +21,17 @@ from typing import Any
 
 import torch
 
+from .batched_dflash import DRAFT_SAMPLING, BatchedDFlashProposer
 from .costs import CostModel
 from .engine import BatchDecoder
 from .grammar import Constraint, compile_constraint, constraint_from_response_format
 from .measure import load_or_measure_costs
 from .model import DFlashDraftModel
-from .proposers import (
-    DRAFT_SAMPLING,
-    BatchedDFlashProposer,
-    BatchProposer,
-    NoProposer,
-    PerRowProposers,
-    Proposer,
-)
+from .proposers import BatchProposer, NoProposer, PerRowProposers, Proposer
 from .request import GenerationError, GenerationResult, as_target, check_block_size, check_request
 from .sampling import SamplingParams
 from .target import Target, TargetError
+from .tree import check_tree
 
 
 def batch_proposer(
@@ -45,11 +40,14 @@ def batch_proposer(
     block_size: int | str | None = "auto",
     costs: CostModel | None = None,
     draft_sampling: str = "match",
+    tree: int | str | None = None,
 ) -> BatchProposer:
     """The proposer the engine runs: plain (`draft=None`), a DFlash drafter (one batched draft pass per step; the
     cost-aware policy for `block_size="auto"`, else the drafter's full block drafted and that many tokens
     verified), or a factory of per-row proposers. `draft_sampling` (DFlash drafters): "match" (greedy drafts,
-    seed-exact) or "pq" (drafts sampled at T > 0, speculative sampling; sampling.py)."""
+    seed-exact) or "pq" (drafts sampled at T > 0, speculative sampling; sampling.py). `tree` (DFlash drafters):
+    draft trees of at most this many nodes instead of chains, "auto" a budget of `TREE_AUTO_NODES`, None or "off"
+    chains (tree.py)."""
     if draft_sampling not in DRAFT_SAMPLING:
         raise ValueError(f"draft_sampling must be one of {', '.join(DRAFT_SAMPLING)}, not {draft_sampling!r}")
     if draft is None:
@@ -57,10 +55,15 @@ def batch_proposer(
     if isinstance(draft, DFlashDraftModel):
         target.check_drafter(draft.config)
         verify = check_block_size(block_size, draft.config.block_size)
+        nodes = check_tree(tree)
         if verify is not None:
-            return BatchedDFlashProposer(draft, target, block_size=verify, draft_sampling=draft_sampling)
+            return BatchedDFlashProposer(
+                draft, target, block_size=verify, draft_sampling=draft_sampling, tree=nodes
+            )
         costs = costs or load_or_measure_costs(target, draft)
-        return BatchedDFlashProposer(draft, target, costs, draft_sampling=draft_sampling)
+        return BatchedDFlashProposer(draft, target, costs, draft_sampling=draft_sampling, tree=nodes)
+    if check_tree(tree) is not None:
+        raise ValueError("draft trees need a DFlash drafter")
     if draft_sampling != "match":
         raise ValueError(
             "draft_sampling='pq' needs a DFlash drafter (other proposers draft deterministically)"
@@ -134,6 +137,7 @@ def generate(
     costs: CostModel | None = None,
     draft_sampling: str = "match",
     response_format: Any = None,
+    tree: int | str | None = None,
 ) -> GenerationResult:
     """Lossless speculative generation of one sequence with a DFlash drafter (or any `Proposer`, or a
     `BatchProposer` to run as given).
@@ -148,7 +152,8 @@ def generate(
     but not seed-exact; the default "match" drafts greedily and gives plain sampling's tokens for the same seed.
     `response_format` (structured output, grammar.py): {"type": "json_object"}, {"type": "json_schema",
     "json_schema": {"schema": ...}}, a pydantic model class, or a `Constraint` (regex, choice, EBNF, Lark); the
-    output is then what plain decoding under the same constraint gives.
+    output is then what plain decoding under the same constraint gives. `tree` (DFlash drafters): verify draft trees
+    of at most this many nodes ("auto": `TREE_AUTO_NODES`; tree.py), the output unchanged.
     """
     target = as_target(target)
     sampling = SamplingParams(temperature, top_p, top_k)
@@ -156,7 +161,9 @@ def generate(
     constraints = check_constraints(target, response_format, 1)
     cap = None
     if isinstance(draft, DFlashDraftModel):
-        proposer = batch_proposer(target, draft, block_size, costs, draft_sampling)
+        proposer = batch_proposer(target, draft, block_size, costs, draft_sampling, tree)
+    elif check_tree(tree) is not None:
+        raise ValueError("draft trees need a DFlash drafter")
     elif draft_sampling != "match":
         raise ValueError(
             "draft_sampling='pq' needs a DFlash drafter (other proposers draft deterministically)"
@@ -220,6 +227,7 @@ def generate_batch(
     max_batch_size: int | None = None,
     draft_sampling: str = "match",
     response_format: Any = None,
+    tree: int | str | None = None,
 ) -> list[GenerationResult]:
     """Decode several prompts together: each row's output is what `generate` gives it alone (greedy, fp32) or the
     same seed-exact sample. `draft=None` decodes plainly in a batch; a callable makes one `Proposer` per row.
@@ -237,7 +245,7 @@ def generate_batch(
         check_request(target, ids, limit)
     constraints = check_constraints(target, response_format, len(prompts))
     decoder = BatchDecoder(
-        target, batch_proposer(target, draft, block_size, costs, draft_sampling), max_batch_size
+        target, batch_proposer(target, draft, block_size, costs, draft_sampling, tree), max_batch_size
     )
     return run(decoder, prompts, limits, sampling, stop_token_ids, seeds, constraints=constraints)
 

@@ -408,16 +408,22 @@ def set_length(cache: Any, length: int) -> None:
         layer._len = layer._vlen = length
 
 
-def static_mask(valid: torch.Tensor, n: int, capacity: int, dtype: torch.dtype) -> torch.Tensor:
+def static_mask(
+    valid: torch.Tensor, n: int, capacity: int, dtype: torch.dtype, tree: torch.Tensor | None = None
+) -> torch.Tensor:
     """[b, 1, n, capacity] additive mask of a verify of n tokens per row after the C = valid.shape[1] columns
-    cached: query i of row r sees the cached columns valid for r and the block's columns C..C+i; the stale columns
-    past them are hidden."""
+    cached: query i of row r sees the cached columns valid for r and the block's columns C..C+i (`tree` [b, n, n]
+    bool: the block columns each one sees instead, a draft tree's ancestors); the stale columns past them are
+    hidden."""
     b, cached = valid.shape
     device = valid.device
     cols = torch.arange(capacity, device=device)
     sees = torch.zeros(b, n, capacity, dtype=torch.bool, device=device)
     sees[:, :, :cached] = valid[:, None, :]
-    sees |= ((cols >= cached) & (cols <= cached + torch.arange(n, device=device)[:, None]))[None]
+    if tree is None:
+        sees |= ((cols >= cached) & (cols <= cached + torch.arange(n, device=device)[:, None]))[None]
+    else:
+        sees[:, :, cached : cached + n] = tree
     mask = torch.zeros(b, 1, n, capacity, dtype=dtype, device=device)
     return mask.masked_fill_(~sees[:, None], torch.finfo(dtype).min)
 

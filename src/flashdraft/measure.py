@@ -223,8 +223,8 @@ def static_decoder(
 ) -> Any:
     """An engine (and its batched DFlash proposer) holding `rows` rows of `prompt`, joined with real prefills:
     what the verify and the draft pass are timed on (its caches are static where the engine's are)."""
+    from .batched_dflash import BatchedDFlashProposer
     from .engine import BatchDecoder
-    from .proposers import BatchedDFlashProposer
     from .sampling import SamplingParams
 
     dtype = None if dtype is None else getattr(torch, dtype)

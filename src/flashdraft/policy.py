@@ -29,13 +29,15 @@ class AcceptanceTable:
     def p(self, keys: torch.Tensor) -> torch.Tensor:
         return (self.hits[keys] / self.trials[keys]).float()
 
+    def record(self, tried: torch.Tensor, hits: torch.Tensor) -> None:
+        """The proposals with keys `tried` were tested (their parent was accepted), those with keys `hits` accepted."""
+        self.trials.index_add_(0, tried, torch.ones(len(tried), dtype=torch.float64))
+        self.hits.index_add_(0, hits, torch.ones(len(hits), dtype=torch.float64))
+
     def update(self, keys: torch.Tensor, num_verified: int, num_accepted: int) -> None:
         """Slots 0..num_verified-1 were verified in order: slot j was a trial iff every slot before it was accepted,
         and a hit iff j < num_accepted."""
-        tried = keys[: min(num_verified, num_accepted + 1)]
-        self.trials.index_add_(0, tried, torch.ones(len(tried), dtype=torch.float64))
-        hits = keys[: min(num_verified, num_accepted)]
-        self.hits.index_add_(0, hits, torch.ones(len(hits), dtype=torch.float64))
+        self.record(keys[: min(num_verified, num_accepted + 1)], keys[: min(num_verified, num_accepted)])
 
 
 def confidence_table(bins: int = 20) -> AcceptanceTable:

@@ -24,6 +24,7 @@ METHODS: dict[str, str] = {
     "dflash": "flashdraft DFlash speculative decoding (default: cost-aware verify length, --block-size auto)",
     "dflash-fixed": "flashdraft DFlash with a fixed verify length: the drafter's trained block (the paper's setting)",
     "dflash-pq": "dflash with drafts sampled from the drafter at T > 0 and speculative (p/q) rejection sampling",
+    "dflash-tree": "dflash verifying draft trees (--tree nodes at most, default auto): the policy picks their size",
     "sd": "transformers assisted generation with a small draft model",
     "pld": "transformers prompt-lookup decoding",
     "llamacpp": "llama.cpp plain decoding: its llama-server on the same weights as a GGUF (--llamacpp-model)",
@@ -32,12 +33,12 @@ METHODS: dict[str, str] = {
 }
 
 
-DFLASH_METHODS = ("dflash", "dflash-fixed", "dflash-pq")
+DFLASH_METHODS = ("dflash", "dflash-fixed", "dflash-pq", "dflash-tree")
 
 # Methods whose sampled output is seed-exact: at T > 0 they emit the tokens ar draws with the same seed (the engine's
 # seed-keyed sampler), so their outputs are compared with ar's at every temperature. dflash-pq draws by rejection
 # (another law of the same distribution) and transformers' methods by torch's generator: compared at T=0 only.
-SEED_EXACT_METHODS = ("dflash", "dflash-fixed")
+SEED_EXACT_METHODS = ("dflash", "dflash-fixed", "dflash-tree")
 
 # Another engine on another weight format: timed beside the others, its outputs not held to ar's (bench/llamacpp.py).
 LLAMACPP_METHODS = ("llamacpp", "llamacpp-lookup", "llamacpp-dflash")
@@ -67,6 +68,7 @@ class BenchConfig:
     max_new_tokens: int = 256
     temperature: float = 0.0
     block_size: int | None = None
+    tree: int | None = None  # dflash-tree's node budget (None: TREE_AUTO_NODES)
     pld_tokens: int = 10
     seed: int = 0
     out_dir: Path | None = None

@@ -118,7 +118,7 @@ class LocalMethods:
                 raise BenchError(
                     f"--block-size {cfg.block_size} exceeds the drafter's block size {self.block_size}"
                 )
-            if self.verify == "auto" and {"dflash", "dflash-pq"} & set(cfg.methods):
+            if self.verify == "auto" and {"dflash", "dflash-pq", "dflash-tree"} & set(cfg.methods):
                 from ..measure import load_or_measure_costs
 
                 self.cost_model = load_or_measure_costs(
@@ -217,9 +217,10 @@ class LocalMethods:
         if method in DFLASH_METHODS:
             verify = self.block_size if method == "dflash-fixed" else self.verify
             sampling = "pq" if method == "dflash-pq" else "match"
+            tree = (self.cfg.tree or "auto") if method == "dflash-tree" else None
             res = generate(
                 self.target, self.draft, input_ids, block_size=verify, costs=self.cost_model,
-                draft_sampling=sampling, **common,
+                draft_sampling=sampling, tree=tree, **common,
             )  # fmt: skip
         else:
             res = generate_ar(self.target, input_ids, **common)

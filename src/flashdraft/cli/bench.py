@@ -23,7 +23,7 @@ from ..bench import (
     split_datasets,
     update_readme,
 )
-from .common import CompileOption, QuantizeOption
+from .common import CompileOption, QuantizeOption, parse_tree
 
 
 def _redacted_command(argv: Sequence[str]) -> str:
@@ -59,8 +59,8 @@ def bench_command(
     methods: Annotated[
         str,
         typer.Option(
-            help="comma-separated: ar, hf, dflash, dflash-fixed, dflash-pq, sd, pld, llamacpp, llamacpp-lookup, "
-            "llamacpp-dflash (ar is always run)"
+            help="comma-separated: ar, hf, dflash, dflash-fixed, dflash-pq, dflash-tree, sd, pld, llamacpp, "
+            "llamacpp-lookup, llamacpp-dflash (ar is always run)"
         ),
     ] = "ar,hf,dflash",
     assistant: Annotated[
@@ -78,6 +78,10 @@ def bench_command(
             "Method dflash-fixed always verifies the drafter's full trained block."
         ),
     ] = None,
+    tree: Annotated[
+        str,
+        typer.Option(help="method dflash-tree's node budget: N nodes at most, or auto (the default budget)"),
+    ] = "auto",
     pld_tokens: Annotated[int, typer.Option(help="prompt_lookup_num_tokens for pld")] = 10,
     seed: Annotated[int, typer.Option(help="sample selection and sampling seed")] = 0,
     out: Annotated[
@@ -149,7 +153,7 @@ def bench_command(
             cfg = BenchConfig(
                 target=target, datasets=datasets, methods=parse_methods(methods), draft=draft, assistant=assistant,
                 max_samples=max_samples, max_new_tokens=max_new_tokens, temperature=temperature,
-                block_size=block_size, pld_tokens=pld_tokens, seed=seed, out_dir=out, device=device, dtype=dtype,
+                block_size=block_size, tree=parse_tree(tree), pld_tokens=pld_tokens, seed=seed, out_dir=out, device=device, dtype=dtype,
                 threads=threads, compile_verify=compile_verify, thinking=thinking, chat=chat, save_outputs=save_outputs, plots=plots,
                 command=command, quantize=quantize, llamacpp=llamacpp, llamacpp_model=llamacpp_model,
                 llamacpp_draft=llamacpp_draft, llamacpp_draft_max=llamacpp_draft_max,

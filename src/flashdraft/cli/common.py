@@ -27,6 +27,34 @@ QuantizeOption = Annotated[
     ),
 ]
 
+TreeOption = Annotated[
+    str,
+    typer.Option(
+        "--tree",
+        help="draft trees: off (chains) | N (at most N draft nodes verified per step, the best of the drafter's "
+        "few candidates per slot) | auto (the policy picks the tree size); the output is unchanged",
+    ),
+]
+
+
+def parse_tree(text: str) -> int | None:
+    """`--tree`: its node budget (None: chains), checked by the engine's own `check_tree`."""
+    from ..request import GenerationError
+    from ..tree import check_tree
+
+    try:
+        return check_tree(text)
+    except ValueError as e:
+        raise GenerationError(str(e).replace("tree", "--tree", 1)) from None
+
+
+def tree_note(target: Any, nodes: int | None) -> str | None:
+    """One line for --verbose when --tree is asked of a target that verifies chains only (not an error)."""
+    from ..tree import tree_refusal
+
+    reason = None if nodes is None else tree_refusal(target)
+    return None if reason is None else f"--tree: {target.name} has {reason}; verifying chains"
+
 
 def compile_or_note(target: Any) -> None:
     """`--compile` on a loaded target: its verify compiled, or one line saying why it decodes eagerly."""

@@ -12,7 +12,17 @@ import typer
 from rich.table import Table
 
 from ..errors import one_line_errors
-from .common import CompileOption, QuantizeOption, compile_or_note, console, out, parse_block_size
+from .common import (
+    CompileOption,
+    QuantizeOption,
+    TreeOption,
+    compile_or_note,
+    console,
+    out,
+    parse_block_size,
+    parse_tree,
+    tree_note,
+)
 
 
 # ---------------------------------------------------------------------------------------------- generate
@@ -108,6 +118,7 @@ def generate_command(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="library load bars and details")] = False,
     compile_verify: CompileOption = False,
     quantize: QuantizeOption = None,
+    tree: TreeOption = "off",
     json_schema: Annotated[
         Path | None, typer.Option(help="structured output: the answer is JSON valid for this schema file")
     ] = None,
@@ -158,6 +169,7 @@ def generate_command(
         compile_options(dev)  # a bad $FLASHDRAFT_COMPILE is named before anything loads
     draft_config = load_drafter_config(draft)
     verify = parse_block_size(block_size, draft_config.block_size)
+    nodes = parse_tree(tree)
     target_path = resolve_model(target)  # unknown pack names fail here; a pack is fetched once
     from transformers import AutoConfig
 
@@ -186,6 +198,8 @@ def generate_command(
             f"loaded {target} ({tgt.dtype}, {tgt.device}, {torch.get_num_threads()} threads) and drafter {draft} "
             f"in {load_s:.1f} s"
         )
+        if note := tree_note(tgt, nodes):
+            console.print(f"[yellow]note:[/] {note}")
     ids = tgt.encode_prompt(prompt, chat=chat, enable_thinking=thinking, system=system)
     if constraint is not None:
         from ..generate import check_constraints
@@ -196,6 +210,7 @@ def generate_command(
     if draft_sampling not in ("match", "pq"):
         raise typer.BadParameter(f"--draft-sampling must be match or pq, not {draft_sampling!r}")
     kwargs = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, response_format=constraint)
+    spec = dict(block_size=verify, tree=nodes)
     costs = None
     if verify == "auto":
         from ..measure import load_or_measure_costs
@@ -210,14 +225,14 @@ def generate_command(
             "same dtype (still a valid greedy decoding up to rounding). float32 is token-for-token identical."
         )
     # Warm both paths up so first-call overheads do not count against either of them.
-    generate(tgt, drafter, ids[:, -8:], max_new_tokens=4, stop_token_ids=[], block_size=verify, costs=costs)
+    generate(tgt, drafter, ids[:, -8:], max_new_tokens=4, stop_token_ids=[], costs=costs, **spec)
     if compare_ar:
         generate_ar(tgt, ids[:, -8:], max_new_tokens=4, stop_token_ids=[])
 
     streamer = _Streamer(tgt.tokenizer, enabled=not as_json)
     res = generate(
-        tgt, drafter, ids, max_new_tokens, block_size=verify, costs=costs, on_tokens=streamer,
-        draft_sampling=draft_sampling, **kwargs,
+        tgt, drafter, ids, max_new_tokens, costs=costs, on_tokens=streamer, draft_sampling=draft_sampling,
+        **spec, **kwargs,
     )  # fmt: skip
     if not as_json:
         sys.stdout.write("\n")
@@ -238,6 +253,7 @@ def generate_command(
         "load_s": load_s,
         "dflash": res.to_dict(),
         "block_size": verify,
+        "tree": nodes,
         "untrained_drafter": untrained,
     }
     if ar is not None:

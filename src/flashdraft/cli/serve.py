@@ -8,7 +8,16 @@ from typing import Annotated
 import typer
 
 from ..errors import one_line_errors
-from .common import CompileOption, QuantizeOption, compile_or_note, console, parse_block_size
+from .common import (
+    CompileOption,
+    QuantizeOption,
+    TreeOption,
+    compile_or_note,
+    console,
+    parse_block_size,
+    parse_tree,
+    tree_note,
+)
 
 
 @one_line_errors
@@ -32,6 +41,7 @@ def serve_command(
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
     compile_verify: CompileOption = False,
     quantize: QuantizeOption = None,
+    tree: TreeOption = "off",
 ) -> None:
     """Serve the target (with DFlash when --draft is given) behind an OpenAI-compatible API: up to
     --max-batch-size requests decode together (continuous batching), the others wait in a bounded queue."""
@@ -51,6 +61,7 @@ def serve_command(
     verify = parse_block_size(
         block_size, load_drafter_config(draft).block_size if draft is not None else None
     )
+    nodes = parse_tree(tree)
     if max_queue < 1:
         raise GenerationError(f"--max-queue must be >= 1, got {max_queue}")
     if max_batch_size < 1:
@@ -63,6 +74,8 @@ def serve_command(
     if draft is not None:
         check_drafter_fits_config(load_drafter_config(draft), tgt.model.config, target)
         drafter = DFlashDraftModel.from_pretrained(draft, dtype=tgt.dtype, device=tgt.device)
+        if note := tree_note(tgt, nodes):
+            console.print(f"[yellow]note:[/] {note}")
     if threads:
         torch.set_num_threads(threads)
     costs = None
@@ -77,6 +90,7 @@ def serve_command(
         block_size=verify,
         max_batch_size=max_batch_size,
         costs=costs,
+        tree=nodes if drafter is not None else None,
         start=False,
     )
     name = served_model_name or target

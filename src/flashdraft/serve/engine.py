@@ -134,6 +134,7 @@ def spec_stats(result: GenerationResult, block_size: int | None) -> dict[str, An
         "num_accepted_tokens_per_pos": per_pos,
         "acceptance_histogram": hist,
         "steps_by_source": result.proposer_stats.get("steps_by_source"),
+        "tree_steps": result.proposer_stats.get("tree_steps", 0),
     }
 
 
@@ -149,15 +150,18 @@ class Engine:
         max_batch_size: int = 8,
         costs: Any = None,
         start: bool = True,
+        tree: int | str | None = None,
     ) -> None:
         """`start`: run the worker in a thread of its own now; False: the caller runs it (`run()`), as `serve` does
-        on the main thread."""
+        on the main thread. `tree`: draft trees of at most this many nodes (DFlash drafters; tree.py)."""
         self.target = target
         self.draft = draft
         self.block_size = block_size
         self.max_queue = max_queue
         self.max_batch_size = max_batch_size
-        self.decoder = BatchDecoder(target, batch_proposer(target, draft, block_size, costs), max_batch_size)
+        self.decoder = BatchDecoder(
+            target, batch_proposer(target, draft, block_size, costs, tree=tree), max_batch_size
+        )
         self._queue: queue.Queue[RequestHandle | None] = queue.Queue(maxsize=max_queue)
         self._closing = False
         self._outbox: list[tuple[RequestHandle, str, Any]] = []  # events of this step, not yet delivered

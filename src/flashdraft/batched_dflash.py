@@ -1,0 +1,487 @@
+"""The batched DFlash proposer: every row drafted in one drafter forward, and the engine's one cost-aware policy (a
+request alone is a batch of one): per step, prompt lookup, the drafter (chains or draft trees) or a plain step, and
+how many proposals to verify, by the batch's expected tokens per second under the measured cost model (policy.py,
+costs.py), corrected online by the step times observed."""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .compiled import draft_block_pass
+from .costs import CostModel
+from .grammar import steer_drafts
+from .kv_cache import CAPACITY_STEP, uses_static_cache
+from .lookup import LOOKUP_MAX_NGRAM, LOOKUP_MAX_TOKENS, lookup_with_keys
+from .model import PAD_POSITION, DFlashDraftModel, DraftContextCache
+from .policy import AcceptanceTable, confidence_keys, confidence_table, expected_tokens
+from .proposers import BatchProposer, DFlashProposer
+from .request import GenerationError
+from .sampling import DRAFT_STREAM, position_uniforms
+from .target import Target
+from .tree import DraftTree, grow_tree, slot_candidates, tree_refusal, tree_window
+
+if TYPE_CHECKING:
+    from .engine import BatchRow
+
+
+# "match": deterministic (greedy) drafts accepted where they equal the target's seed-keyed sample (seed-exact);
+# "pq": at T > 0, drafts sampled from the drafter's distribution and verified by speculative sampling.
+DRAFT_SAMPLING = ("match", "pq")
+MAX_SKIP_STEPS = 32
+# Draft trees: candidates kept per block slot (the drafter's own draft and the slot's next most likely tokens).
+TREE_WIDTH = 4
+
+
+class _Calibration:
+    """Acceptance tables of one drafter/target pair, shared by every generation in the process."""
+
+    def __init__(self) -> None:
+        self.confidence_bins = 20
+        # Keyed by confidence bin: keys 0..bins-1 the drafter's own drafts, bins..2*bins-1 the other candidates of a
+        # draft tree's slots (a token the drafter ranked lower is accepted at another rate than its top one with the
+        # same probability); both start calibrated (p = confidence).
+        self.draft = AcceptanceTable(
+            confidence_table(self.confidence_bins).p(torch.arange(self.confidence_bins)).tolist() * 2
+        )
+        # Lookup: keyed by (matched n-gram size, slot); prior 0.5 for the first slot, lower further out.
+        self.lookup = AcceptanceTable(
+            [0.5 * 0.9**slot for _ in range(LOOKUP_MAX_NGRAM) for slot in range(LOOKUP_MAX_TOKENS)]
+        )
+
+
+_CALIBRATIONS: weakref.WeakKeyDictionary[DFlashDraftModel, _Calibration] = weakref.WeakKeyDictionary()
+
+
+class BatchedDFlashProposer(BatchProposer):
+    """A DFlash drafter drafting every row in one forward, and one verify length shared by the batch: the engine's
+    one cost-aware policy, for a request alone (a batch of one) as for many rows.
+
+    `block_size=None` (auto): per step, prompt lookup for each row (free), the drafter (one pass for all rows) or
+    a plain step, and the shared verify length n maximising the batch's expected tokens per second,
+    sum_i E_i(n) / (t_draft(b) + t_verify(b * n)), under the measured cost model. The drafter always drafts its
+    full trained block (the non-causal drafter proposes differently with fewer mask slots); after the pass, each row
+    keeps its draft or its lookup match, whichever is expected to give more. When drafting does not beat plain
+    steps, it is skipped for 1, 2, 4, .. steps between probes (lookup still fills them), so it comes back as soon as
+    the text becomes predictable again. An integer `block_size` drafts and verifies that many tokens (anchor
+    included) every step.
+
+    `tree=N`: rows draft trees of at most N nodes instead of chains (tree.py), built best-first from each slot's few
+    most likely tokens with the calibrated acceptance estimates; the policy's E(n) is then the expected tokens of the
+    tree of the n best nodes, so one choice of n picks the tree, a chain (the tree when the drafter is sure) or a
+    plain step. Rows a tree cannot serve exactly verify chains: a target with recurrent layers or of a family trees
+    are not verified on (the whole batch), a sliding-window one past its window, rows with a grammar, rows whose
+    drafts are sampled (p/q).
+
+    The drafter's context cache is batched too: rows are padded to a common length with PAD_POSITION, which the
+    drafter's mask rule (context before the anchor) never shows to a block.
+    """
+
+    def __init__(
+        self,
+        draft: DFlashDraftModel,
+        target: Target,
+        costs: CostModel | None = None,
+        block_size: int | None = None,
+        lookup: bool = True,
+        dtype: torch.dtype | None = None,
+        online_costs: bool = True,
+        draft_sampling: str = "match",
+        tree: int | None = None,
+    ) -> None:
+        if draft_sampling not in DRAFT_SAMPLING:
+            raise ValueError(
+                f"draft_sampling must be one of {', '.join(DRAFT_SAMPLING)}, not {draft_sampling!r}"
+            )
+        self.sampled_drafts = draft_sampling == "pq"
+        if block_size is None and costs is None:
+            raise ValueError("the automatic verify length needs a cost model")
+        if dtype is None and costs is not None:
+            dtype = getattr(torch, costs.draft_dtype, None)
+        single = DFlashProposer(draft, target, dtype=dtype)  # checks the pair; casts drafter and head
+        self.single = single  # its drafter copy and LM head are the ones used here
+        self.draft = single.draft
+        self.target = target
+        self.costs = costs
+        self.fixed = block_size
+        self.use_lookup = lookup
+        self.online_costs = online_costs
+        self.tap_layer_ids = single.tap_layer_ids
+        self.max_block_size = single.max_block_size
+        self.mask_token_id = single.mask_token_id
+        self.calibration = _CALIBRATIONS.setdefault(draft, _Calibration())
+        # Beside a static target cache the draft context is static too, and its block pass compiled with the verify.
+        self.static = uses_static_cache(target)
+        self.block_pass = draft_block_pass(self.draft, target) if self.static else None
+        self.cache = self._new_cache()
+        self.absorbed: list[int] = []  # context tokens of each row already in the draft cache
+        self.pending: list[torch.Tensor | None] = []  # [k, F] features not yet projected, per row
+        self.counts: list[dict[str, int]] = []
+        self._last: list[tuple[str, torch.Tensor] | None] = []
+        self._q: list[torch.Tensor | None] = []  # per row: the sampled drafts' distributions of this step
+        self._drafted_q: list[torch.Tensor | None] = []  # per row: those of the last draft pass
+        self.draft_rate: float | None = None  # the batch's expected tokens/s when drafting (EMA)
+        self.skip_steps = 0
+        self.skip_left = 0
+        # Online corrections of the cost model (measured / predicted, EMA), for batches of 2+ rows only: a batched
+        # forward with ragged masks and a padded draft context cost what the single-row measurements cannot say.
+        # One row is the shape the cost model measured; correcting it only fed timing noise into the choice (at one
+        # row it measured 1.18x over plain against 1.36x without, in one run: benchmarks/README.md). One ratio per
+        # row count, which every verify of that many rows updates (plain steps included), so a busy spell and its
+        # end reach all verify lengths at once; the draft pass is priced relative to the verify (its ratio over the
+        # verify ratio of the moment). `online_costs=False` prices by `costs` alone (a cost model written by hand).
+        # A batched verify's cost does not follow rows x tokens as one row's does (16 rows of 2 tokens measured
+        # about 1.27x further above the cost model's price than 16 rows of 1, on the 2-core AMD EPYC), so each
+        # (rows, tokens per row) shape keeps its own factor over its row count's ratio: the level follows every
+        # verify, the shape only the verifies of that shape.
+        self.verify_ratio: dict[int, float] = {}  # by rows
+        self.verify_shape: dict[tuple[int, int], float] = {}  # by (rows, tokens per row), over verify_ratio
+        self.draft_ratio: float | None = None  # (measured / predicted draft) / verify ratio, EMA
+        if tree is not None and tree < 1:
+            raise ValueError(f"a draft tree needs at least one node, got {tree}")
+        # Draft trees (tree.py): why this target verifies chains only, if it does (said once by --verbose).
+        self.tree_note = None if tree is None else tree_refusal(target)
+        self.tree = None if self.tree_note is not None else tree
+        self.tree_window = None if self.tree is None else tree_window(target)
+        self._candidates: tuple[torch.Tensor, torch.Tensor] | None = None  # the last pass's slot candidates
+        self._trees: list[DraftTree | None] = []  # per row: its last proposal as a tree (None: a chain)
+        self.tree_steps: list[int] = []  # per row: how many of its steps verified a tree
+
+    def _new_cache(self) -> DraftContextCache:
+        return DraftContextCache(
+            ragged=True,
+            capacity=CAPACITY_STEP if self.static else None,
+            mark_static=self.block_pass is not None,
+        )
+
+    # -------------------------------------------------------------- rows
+    def add(self, row: BatchRow, features: torch.Tensor | None) -> None:
+        if features is None:
+            raise GenerationError("the DFlash proposer needs target features from prefill")
+        self.cache.add_row()  # it holds nothing in the draft cache yet: all padding
+        self.absorbed.append(0)
+        self.pending.append(features[0])
+        self.counts.append({"dflash": 0, "lookup": 0, "plain": 0})
+        self._last.append(None)
+        self._q.append(None)
+        self._trees.append(None)
+        self.tree_steps.append(0)
+
+    def remove(self, keep: list[int]) -> None:
+        self.cache.select_rows(keep)
+        if not keep:
+            self.cache = self._new_cache()
+        for name in ("absorbed", "pending", "counts", "_last", "_q", "_trees", "tree_steps"):
+            old = getattr(self, name)
+            setattr(self, name, [old[i] for i in keep])
+        self._compact()
+
+    def _compact(self) -> None:
+        """Move each row's context left (order kept) when padding fills more than half of the draft cache."""
+        c = self.cache
+        if c.positions is None:
+            return
+        width = max(self.absorbed, default=0)  # the real columns of each row, counted on the host
+        if len(c) <= 2 * width + 32:
+            return
+        # Stable order: real columns first, in their order, then padding.
+        real = c.positions[:, : len(c)] != PAD_POSITION
+        c.keep_columns(torch.argsort((~real).int(), dim=1, stable=True)[:, :width])
+
+    def accept(self, rows: list[BatchRow], features: list[torch.Tensor | None]) -> None:
+        for i, f in enumerate(features):
+            if f is None:
+                raise GenerationError("the DFlash proposer needs target features of the accepted tokens")
+            p = self.pending[i]
+            self.pending[i] = f[0] if p is None else torch.cat([p, f[0]])
+
+    def stats(self, index: int) -> dict[str, Any]:
+        return {"steps_by_source": dict(self.counts[index]), "tree_steps": self.tree_steps[index]}
+
+    # -------------------------------------------------------------- the draft pass
+    @torch.no_grad()
+    def draft_rows(self, rows: list[BatchRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(greedy drafts [b, B-1], the drafter's confidence in each) for every row, in one forward; on the device
+        (a fixed block goes to the verify without a stop on the host)."""
+        device = self.target.device
+        b, block = len(rows), self.max_block_size
+        lengths = [0 if p is None else p.shape[0] for p in self.pending]
+        width = max(lengths)
+        c = self.cache
+        # Padding in the cache (rows hold fewer real columns than it has), counted on the host: no wait on the device.
+        padded = c.positions is not None and min(self.absorbed) < len(c)
+        features, context_positions = None, None
+        if width:
+            feat_dim = next(p for p in self.pending if p is not None).shape[-1]
+            features = torch.zeros(b, width, feat_dim, dtype=self.pending[0].dtype, device=device)
+            context_positions = torch.full((b, width), PAD_POSITION, dtype=torch.long, device=device)
+            for i, (p, row) in enumerate(zip(self.pending, rows, strict=True)):
+                if p is None:
+                    continue
+                if self.absorbed[i] + p.shape[0] != row.anchor_position:
+                    raise RuntimeError(
+                        f"row {i}: draft context covers {self.absorbed[i] + p.shape[0]} tokens, "
+                        f"anchor is at {row.anchor_position}"
+                    )
+                features[i, : p.shape[0]] = p
+                context_positions[i, : p.shape[0]] = torch.arange(
+                    self.absorbed[i], self.absorbed[i] + p.shape[0], device=device
+                )
+                self.absorbed[i] += p.shape[0]
+        anchors = torch.tensor([row.tokens[-1] for row in rows], device=device)
+        block_ids = torch.full((b, block), self.mask_token_id, dtype=torch.long, device=device)
+        block_ids[:, 0] = anchors
+        starts = torch.tensor([row.anchor_position for row in rows], device=device)
+        block_positions = starts[:, None] + torch.arange(block, device=device)
+        # One row with no padding left in its cache is the one-block fast path (no mask); padding needs the mask.
+        c.ragged = b > 1 or padded
+        hidden = self.draft(
+            self.single.block_inputs(block_ids),
+            block_positions,
+            target_features=features,
+            context_positions=context_positions,
+            cache=self.cache,
+            block_pass=self.block_pass,
+        )
+        self.pending = [None] * b
+        self._compact()
+        # Slot k predicts the token at anchor + k; slot 0's output is unused.
+        logits = self.single.head_logits(hidden[:, 1:].reshape(b * (block - 1), -1)).view(b, block - 1, -1)
+        tokens, confidence = self.draft.propose_tokens(hidden[:, 1:], logits, anchors)
+        if self.tree is not None:
+            self._candidates = slot_candidates(logits, tokens, confidence, TREE_WIDTH)
+        if self.draft.candidate_selector is None:  # constrained greedy rows: drafts the grammar allows
+            for i, row in enumerate(rows):
+                if row.grammar is not None and (row.sampling.greedy or not self.sampled_drafts):
+                    t0 = time.perf_counter()
+                    steer_drafts(row.grammar, logits[i], tokens[i], confidence[i])
+                    row.result.grammar_s += time.perf_counter() - t0
+        self._drafted_q = [None] * b
+        if (
+            self.sampled_drafts
+        ):  # rows that sample draw their drafts from the drafter's processed distribution
+            for i, row in enumerate(rows):
+                if row.sampling.greedy:
+                    continue
+                u = position_uniforms(row.seed ^ DRAFT_STREAM, row.anchor_position + 1, block - 1)
+                drawn, q = self.draft.sample_tokens(
+                    hidden[i : i + 1, 1:], logits[i : i + 1], anchors[i], row.sampling, u
+                )
+                tokens[i] = drawn
+                self._drafted_q[i] = q
+        return tokens, confidence
+
+    def draft_probs(self, index: int) -> torch.Tensor | None:
+        return self._q[index]
+
+    def tree_parents(self, index: int) -> list[int] | None:
+        tree = self._trees[index]
+        return None if tree is None else tree.parents
+
+    def _tree_for(self, index: int, row: BatchRow, depth: int, budget: int) -> DraftTree | None:
+        """Row `index`'s best-first tree of at most `budget` nodes, `depth` deep, from the last draft pass (None
+        where a tree cannot serve it exactly: its verify then takes a chain)."""
+        if self.tree is None or depth < 1 or row.grammar is not None:
+            return None
+        if self.sampled_drafts and not row.sampling.greedy:
+            return None
+        longest = max(budget, self.max_block_size)  # the verify block, whichever row sets its length
+        if self.tree_window is not None and row.anchor_position + longest + 2 >= self.tree_window:
+            return None
+        tokens, p = self._candidates
+        bins = self.calibration.confidence_bins
+        keys = confidence_keys(p[index, :depth], bins)
+        keys[:, 1:] += bins  # the other candidates' own calibration
+        return grow_tree(tokens[index, :depth], self.calibration.draft.p(keys), keys, budget)
+
+    # -------------------------------------------------------------- the policy
+    def _lookup(self, row: BatchRow, max_tokens: int) -> tuple[list[int], torch.Tensor]:
+        if not self.use_lookup or max_tokens <= 0:
+            return [], torch.empty(0, dtype=torch.long)
+        return lookup_with_keys(row.history, max_tokens)
+
+    def _batch_rate(
+        self, expectations: list[torch.Tensor], propose_s: float, context: int, max_n: int
+    ) -> tuple[int, float]:
+        """(shared number of proposals n, expected batch tokens/s) over n = 0..max_n; `expectations[i][k]`: row i's
+        expected tokens when k of its proposals are verified (`expected_tokens`, `DraftTree.expected_tokens`)."""
+        b = len(expectations)
+        expected = torch.zeros(max_n + 1)
+        for e in expectations:
+            e = e[: max_n + 1]
+            expected += torch.cat([e, e[-1:].expand(max_n + 1 - len(e))])
+        tokens_per_row = self._padded(torch.arange(1, max_n + 2))
+        step_s = propose_s + self.costs.verify_s(b * tokens_per_row, context) * self._verify_ratios(
+            b, tokens_per_row
+        )
+        rates = expected / step_s
+        n = int(torch.argmax(rates))
+        return n, float(rates[n])
+
+    @torch.no_grad()
+    def propose(self, rows: list[BatchRow], max_drafts: list[int]) -> list[torch.Tensor]:
+        b = len(rows)
+        if self.fixed is not None:  # the paper's setting: draft and verify a fixed block for every row
+            tokens, _ = self.draft_rows(rows)
+            self._last = [None] * b
+            for c in self.counts:
+                c["dflash"] += 1
+            keep = [min(self.fixed - 1, m) for m in max_drafts]
+            self._q = [None if q is None else q[:k] for q, k in zip(self._drafted_q, keep, strict=True)]
+            out = [tokens[i, :k] for i, k in enumerate(keep)]
+            self._trees = [None] * b
+            for i, (row, k) in enumerate(zip(rows, keep, strict=True)):
+                tree = self._tree_for(i, row, k, self.tree or 0)
+                if tree is not None and not tree.is_chain:
+                    self._trees[i] = tree
+                    self._last[i] = ("tree", tree)
+                    self.tree_steps[i] += 1
+                    out[i] = tree.tokens
+            return out
+
+        context = sum(row.anchor_position for row in rows) // b
+        top = max(max_drafts)
+        plain = self._padded(torch.ones(1, dtype=torch.long))
+        plain_rate = b / float(self.costs.verify_s(b * plain, context) * self._verify_ratios(b, plain))
+        lookups = [self._lookup(row, m) for row, m in zip(rows, max_drafts, strict=True)]
+        lookup_probs = [self.calibration.lookup.p(keys) for _, keys in lookups]
+        lookup_n, lookup_rate = (
+            self._batch_rate(
+                [expected_tokens(p) for p in lookup_probs], 0.0, context, min(top, LOOKUP_MAX_TOKENS)
+            )
+            if any(len(p) for p in lookup_probs)
+            else (0, 0.0)
+        )
+        # Draft when its expected rate beats this step's lookup, and always once the skipped steps are over (the
+        # rate that made it skip is stale then: a probe measures it again, or lookup would keep it off forever).
+        probe = self.draft_rate is None or self.draft_rate <= plain_rate
+        draft_now = top > 0 and self.skip_left == 0 and (probe or self.draft_rate >= lookup_rate)
+        self._q = [None] * b
+        self._trees = [None] * b
+        if not draft_now:
+            self.skip_left = max(0, self.skip_left - 1)
+            use_lookup = lookup_n > 0 and lookup_rate > plain_rate
+            out = []
+            for i, ((proposal, keys), m) in enumerate(zip(lookups, max_drafts, strict=True)):
+                k = min(lookup_n, len(proposal), m) if use_lookup else 0
+                self._last[i] = ("lookup", keys[:k]) if k else None
+                self.counts[i]["lookup" if k else "plain"] += 1
+                out.append(torch.tensor(proposal[:k], dtype=torch.long))
+            return out
+
+        t0 = time.perf_counter()
+        tokens, confidence = self.draft_rows(rows)
+        tokens, confidence = tokens.cpu(), confidence.cpu()  # the policy reads them on the host
+        predicted = self.costs.draft_batch_s(b, context)
+        if self.online_costs and b > 1:  # the first measurement counts at once, as for the verify
+            ratio = (time.perf_counter() - t0) / max(predicted, 1e-9) / self._verify_ratio(b)
+            self.draft_ratio = ratio if self.draft_ratio is None else _ema(self.draft_ratio, ratio)
+        keys = confidence_keys(confidence, self.calibration.confidence_bins)
+        choices = []  # per row: (source, tokens, keys, expected tokens by proposals verified, tree)
+        for i, (row, m) in enumerate(zip(rows, max_drafts, strict=True)):
+            tree = self._tree_for(i, row, m, self.tree or 0)
+            if tree is not None:
+                candidate = ("dflash", tree.tokens, tree.keys, tree.expected_tokens(), tree)
+            else:
+                p_draft = self.calibration.draft.p(keys[i, :m])
+                candidate = ("dflash", tokens[i, :m], keys[i, :m], expected_tokens(p_draft), None)
+            proposal, lkeys = lookups[i]
+            lookup_expected = expected_tokens(lookup_probs[i])
+            if len(proposal) and lookup_expected[-1] > candidate[3][-1]:
+                candidate = ("lookup", torch.tensor(proposal, dtype=torch.long), lkeys, lookup_expected, None)
+            choices.append(candidate)
+        draft_s = self.costs.draft_batch_s(b, context)
+        if b > 1:
+            draft_s *= (self.draft_ratio or 1.0) * self._verify_ratio(b)
+        longest = max(top, *(len(c[3]) - 1 for c in choices))  # a tree may hold more nodes than its depth
+        n, rate = self._batch_rate([c[3] for c in choices], draft_s, context, longest)
+        self.draft_rate = rate if self.draft_rate is None else 0.5 * self.draft_rate + 0.5 * rate
+        # Skipping compares with plain steps only: a lookup match is this step's luck, taken whenever it wins, not a
+        # reason to stop drafting.
+        if self.draft_rate > plain_rate:
+            self.skip_steps = 0
+        else:  # drafting does not pay for this batch right now: lookup or plain steps, then probe again
+            self.skip_steps = min(MAX_SKIP_STEPS, max(1, 2 * self.skip_steps))
+            self.skip_left = self.skip_steps
+        out = []
+        for i, (source, toks, k, _, tree) in enumerate(choices):
+            self._last[i] = (source, k[:n]) if n else None
+            self.counts[i][source] += 1
+            if tree is not None and not (tree := tree.first(n)).is_chain:
+                self._trees[i] = tree
+                self._last[i] = ("tree", tree)
+                self.tree_steps[i] += 1
+            q = self._drafted_q[i]
+            self._q[i] = q[: len(toks[:n])] if source == "dflash" and q is not None else None
+            out.append(toks[:n])
+        return out
+
+    def _padded(self, tokens_per_row: torch.Tensor) -> torch.Tensor:
+        """The verify lengths that really run for these proposed ones (their buckets)."""
+        if self.padded_lengths is None:
+            return tokens_per_row
+        table = torch.tensor(self.padded_lengths)
+        return table[(tokens_per_row - 1).clamp(max=len(table) - 1)]
+
+    def _verify_ratio(self, rows: int) -> float:
+        """Measured / predicted verify time at this many rows (the nearest row count measured so far; 1 for one
+        row, the measured shape)."""
+        if rows == 1 or not self.verify_ratio:
+            return 1.0
+        return self.verify_ratio[min(self.verify_ratio, key=lambda r: abs(r - rows))]
+
+    def _verify_ratios(self, rows: int, tokens_per_row: torch.Tensor) -> torch.Tensor:
+        """Measured / predicted verify time of `rows` rows of each of these token counts (the row count's ratio
+        times each shape's own factor, where that shape has been measured)."""
+        if rows == 1:
+            return torch.ones(len(tokens_per_row))
+        level = self._verify_ratio(rows)
+        return torch.tensor([level * self.verify_shape.get((rows, int(t)), 1.0) for t in tokens_per_row])
+
+    def timed(self, rows: int, tokens_per_row: int, context: int, seconds: float) -> None:
+        if self.costs is None or not self.online_costs or rows == 1:
+            return
+        predicted = float(self.costs.verify_s(rows * tokens_per_row, context))
+        ratio = seconds / max(predicted, 1e-9)
+        old = self.verify_ratio.get(rows)
+        if old is not None:
+            key = (rows, tokens_per_row)
+            shape = ratio / old
+            self.verify_shape[key] = (
+                _ema(self.verify_shape[key], shape) if key in self.verify_shape else shape
+            )
+        self.verify_ratio[rows] = ratio if old is None else _ema(old, ratio)
+
+    def observe(
+        self,
+        rows: list[BatchRow],
+        proposed: list[int],
+        accepted: list[int],
+        paths: list[list[int] | None] | None = None,
+    ) -> None:
+        for i, (n, a) in enumerate(zip(proposed, accepted, strict=True)):
+            last = self._last[i]
+            if last is None or n == 0:
+                continue
+            source, keys = last
+            if (
+                source == "tree"
+            ):  # each node whose parent was accepted was a trial, each node on the path a hit
+                tree, path = keys, paths[i]
+                tried = [j for j, p in enumerate(tree.parents) if p < 0 or p in path]
+                self.calibration.draft.record(tree.keys[tried], tree.keys[path])
+                self._last[i] = None
+                continue
+            table = self.calibration.draft if source == "dflash" else self.calibration.lookup
+            table.update(keys, n, a)
+            self._last[i] = None
+
+
+def _ema(old: float, new: float, keep: float = 0.8) -> float:
+    return keep * old + (1.0 - keep) * new
+
+
+__all__ = ["DRAFT_SAMPLING", "BatchedDFlashProposer"]
