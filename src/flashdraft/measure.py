@@ -28,7 +28,7 @@ VERIFY_LENGTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 BATCH_TOKENS = (32, 64, 128)
 DRAFT_BATCH_ROWS = 4
 CONTEXTS = (64, 512)
-COST_MODEL_VERSION = 2
+COST_MODEL_VERSION = 3  # 3: the machine named with its vector extensions (cpu_name)
 
 
 def cost_cache_dir() -> Path:
@@ -40,14 +40,33 @@ def cost_cache_dir() -> Path:
     return flashdraft_home() / "costs"
 
 
+# The vector extensions CPU kernels dispatch on: one model name covers CPUs with and without them (an "AMD EPYC" with
+# avx512_bf16, and one with avx2 only, price a bf16 step 2x apart).
+CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+
+
 def cpu_name() -> str:
+    """The CPU's model name with its family / model and vector extensions, e.g. "AMD EPYC (family 25 model 1;
+    avx2)": what a timing is recorded and a price list cached under."""
+    name, fields, flags = None, {}, set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            key, value = key.strip(), value.strip()
+            if key == "model name" and name is None:
+                name = value
+            elif key in ("cpu family", "model") and key not in fields:
+                fields[key] = value
+            elif key == "flags" and not flags:
+                flags = set(value.split())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    name = name or platform.processor() or platform.machine()
+    if not fields and not flags:
+        return name
+    where = f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
+    features = ", ".join(f for f in CPU_FEATURES if f in flags) or "no avx2"
+    return f"{name} ({where}; {features})"
 
 
 def cost_key(target: Any, draft: Any) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from ..datasets import BenchDataset, load_bench_dataset
+from ..measure import cpu_name
 from ..progress import progress_bar
 
 METHODS: dict[str, str] = {
@@ -185,16 +186,6 @@ def validate_config(cfg: BenchConfig) -> None:
         check_quantize(cfg.quantize, parse_dtype(cfg.dtype), parse_device(cfg.device))
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_info(
     device: torch.device | str | None = None, dtype: torch.dtype | None = None
 ) -> dict[str, Any]:
@@ -203,7 +194,7 @@ def machine_info(
     from .. import __version__
 
     info: dict[str, Any] = {
-        "cpu": _cpu_model(),
+        "cpu": cpu_name(),
         "logical_cores": os.cpu_count(),
         "affinity_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "torch_threads": torch.get_num_threads(),
