@@ -43,13 +43,17 @@ def free_port() -> int:
 class Server:
     """`flashdraft serve` in a child process, up until `stop()` (SIGTERM: it drains, then exits)."""
 
-    def __init__(self, args: argparse.Namespace, draft: str | None, log: Path) -> None:
+    def __init__(
+        self, args: argparse.Namespace, draft: str | None, log: Path, tree: str | None = None
+    ) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "flashdraft", "serve", "--target", args.target, "--port", str(self.port),
                "--threads", str(args.threads), "--max-batch-size", str(args.max_batch_size), "--max-queue", "256"]  # fmt: skip
         if draft:
             cmd += ["--draft", draft]
+        if tree:
+            cmd += ["--tree", tree]
         self.command = " ".join(cmd[2:])
         self.log = log.open("w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
@@ -146,12 +150,18 @@ def render(results: dict[str, Any], out_rel: str) -> str:
              f"{s['max_new_tokens']} new tokens, T=0, streamed.", "",
              "| server | concurrency | ok | output tok/s | TTFT p50 / p90 ms | TPOT p50 / p90 ms | latency p50 / p99 s "
              "| τ (/metrics) |", "|---|---|---|---|---|---|---|---|",
-             *level_rows("plain", plain), *level_rows("dflash", dflash), ""]  # fmt: skip
-    ratios = []
-    for a, b in zip(plain["levels"], dflash["levels"], strict=True):
-        ratios.append(f"{a['concurrency']}: {b['output_tokens_per_s'] / a['output_tokens_per_s']:.2f}x")
-    lines += [f"DFlash over plain, output tokens/s by concurrency: {', '.join(ratios)}.", ""]
-    sk = results["soak"]
+             *level_rows("plain", plain), *level_rows("dflash", dflash),
+             *(level_rows("dflash --tree", results["tree"]) if "tree" in results else []), ""]  # fmt: skip
+    for name, label in (("dflash", "DFlash"), ("tree", "DFlash with draft trees")):
+        if name not in results:
+            continue
+        ratios = []
+        for a, b in zip(plain["levels"], results[name]["levels"], strict=True):
+            ratios.append(f"{a['concurrency']}: {b['output_tokens_per_s'] / a['output_tokens_per_s']:.2f}x")
+        lines += [f"{label} over plain, output tokens/s by concurrency: {', '.join(ratios)}.", ""]
+    sk = results.get("soak")
+    if sk is None:
+        return "\n".join([*lines, f"Raw numbers: [{out_rel}/serving.json]({out_rel}/serving.json).", "", END])
     rss = sk["rss_mib"]
     after_warm = next((r for k, r in rss if k >= 100), rss[0][1])
     lines += [
@@ -166,6 +176,26 @@ def render(results: dict[str, Any], out_rel: str) -> str:
         END,
     ]
     return "\n".join(lines)
+
+
+def run_soak(args: argparse.Namespace, results: dict[str, Any], prompts: list[str]) -> None:
+    """The soak against the DFlash server: streamed requests, some clients leaving mid-stream."""
+    server = Server(args, args.draft, args.out / "server-soak.log")
+    try:
+        results["soak"] = asyncio.run(
+            soak(
+                server,
+                args.target,
+                prompts,
+                args.soak_requests,
+                args.soak_concurrency,
+                args.soak_leave_share,
+                0,
+            )
+        )
+    finally:
+        results["soak"]["exit_code"] = server.stop()
+    print("soak:", {k: v for k, v in results["soak"].items() if k != "failures"}, flush=True)
 
 
 def main() -> None:
@@ -183,6 +213,9 @@ def main() -> None:
     ap.add_argument("--soak-leave-share", type=float, default=0.1)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/serve"))
     ap.add_argument("--readme", type=Path, default=None)
+    ap.add_argument(
+        "--tree", default=None, help="also serve the drafter with --tree (draft trees), e.g. auto"
+    )
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     levels = [int(x) for x in args.concurrency.split(",")]
@@ -194,8 +227,11 @@ def main() -> None:
         },
         "machine": machine_info(),
     }
-    for name, draft in (("plain", None), ("dflash", args.draft)):
-        server = Server(args, draft, args.out / f"server-{name}.log")
+    servers = [("plain", None, None), ("dflash", args.draft, None)]
+    if args.tree:
+        servers.append(("tree", args.draft, args.tree))
+    for name, draft, tree in servers:
+        server = Server(args, draft, args.out / f"server-{name}.log", tree)
         try:
             cfg = ServerBenchConfig(base_url=server.base, datasets=[args.dataset], concurrency=levels,
                                     max_samples=args.max_samples, max_new_tokens=args.max_new_tokens,
@@ -209,22 +245,8 @@ def main() -> None:
     prompts = [
         c.user_turns[0] for c in load_bench_dataset(args.dataset, max_samples=200, seed=1).conversations
     ]
-    server = Server(args, args.draft, args.out / "server-soak.log")
-    try:
-        results["soak"] = asyncio.run(
-            soak(
-                server,
-                args.target,
-                prompts,
-                args.soak_requests,
-                args.soak_concurrency,
-                args.soak_leave_share,
-                0,
-            )
-        )
-    finally:
-        results["soak"]["exit_code"] = server.stop()
-    print("soak:", {k: v for k, v in results["soak"].items() if k != "failures"}, flush=True)
+    if args.soak_requests > 0:
+        run_soak(args, results, prompts)
     results["finished"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     (args.out / "serving.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     readme_dir = (args.readme or args.out / "x").parent
