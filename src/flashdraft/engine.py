@@ -64,15 +64,7 @@ from .sampling import (
     verify_greedy_rows,
 )
 from .target import Target, TargetOutput
-from .tree import (
-    ancestor_mask,
-    block_parents,
-    chain_parents,
-    depths,
-    tree_refusal,
-    tree_window,
-    verify_tree,
-)
+from .tree import block_layout, depths, tree_refusal, tree_window, verify_tree
 
 if TYPE_CHECKING:
     from .proposers import BatchProposer
@@ -461,12 +453,8 @@ class BatchDecoder:
         starts = torch.tensor([r.anchor_position for r in rows], device=device)
         parents, tree_mask, block_ids = None, None, None
         if trees:
-            parents = [
-                block_parents(trees[i] if i in trees else chain_parents(p.shape[0]), n)
-                for i, p in enumerate(proposals)
-            ]
-            positions = starts[:, None] + torch.tensor([depths(p) for p in parents], device=device)
-            tree_mask = torch.stack([ancestor_mask(p) for p in parents])
+            parents, depth, tree_mask = block_layout(trees, [p.shape[0] for p in proposals], n)
+            positions = starts[:, None] + depth.to(device)
             block_ids = block.tolist()
         else:
             positions = starts[:, None] + torch.arange(n, device=device)
@@ -527,8 +515,7 @@ class BatchDecoder:
             else:
                 paths[i] = [c - 1 for c in path[1 : accepted + 1] if c <= real]
                 own_accepted.append(len(paths[i]))
-                order[i, : len(path)] = torch.tensor(path)
-                order[i, len(path) :] = torch.tensor([c for c in range(n) if c not in path])
+                order[i] = torch.tensor(path + [c for c in range(n) if c not in path])
             emitted, stopped = cut_emitted(emitted, remaining[i], row.stops)
             if stopped:
                 reason = "stop_token"

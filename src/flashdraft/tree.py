@@ -183,6 +183,17 @@ def ancestor_mask(parents: list[int]) -> torch.Tensor:
     return sees
 
 
+def block_layout(
+    trees: dict[int, list[int]], lengths: list[int], n: int
+) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+    """A verify block of n columns per row, some rows trees (`trees[i]`: row i's parents) and the others chains of
+    `lengths[i]` proposals: every row's parents over the block, its depths [b, n] (positions after the anchor's) and
+    the [b, n, n] mask of the block columns each column sees."""
+    parents = [block_parents(trees[i] if i in trees else chain_parents(k), n) for i, k in enumerate(lengths)]
+    depth = torch.tensor([depths(p) for p in parents])
+    return parents, depth, torch.stack([ancestor_mask(p) for p in parents])
+
+
 def accepted_path(parents: list[int], block: list[int], target_tokens: list[int]) -> list[int]:
     """The block columns the target accepts, from the anchor (column 0): at each, into the child holding the target's
     token there, until no child does. `block` the block's tokens, `target_tokens` the target's token at each column."""
@@ -230,6 +241,7 @@ __all__ = [
     "DraftTree",
     "accepted_path",
     "ancestor_mask",
+    "block_layout",
     "block_parents",
     "chain_parents",
     "depths",
