@@ -18,7 +18,7 @@ from .kv_cache import CAPACITY_STEP, uses_static_cache
 from .lookup import LOOKUP_MAX_NGRAM, LOOKUP_MAX_TOKENS, lookup_with_keys
 from .model import PAD_POSITION, DFlashDraftModel, DraftContextCache
 from .policy import AcceptanceTable, confidence_keys, confidence_table, expected_tokens
-from .proposers import BatchProposer, DFlashProposer
+from .proposers import BatchProposer, DFlashProposer, Paths
 from .request import GenerationError
 from .sampling import DRAFT_STREAM, position_uniforms
 from .target import Target
@@ -456,11 +456,7 @@ class BatchedDFlashProposer(BatchProposer):
         self.verify_ratio[rows] = ratio if old is None else _ema(old, ratio)
 
     def observe(
-        self,
-        rows: list[BatchRow],
-        proposed: list[int],
-        accepted: list[int],
-        paths: list[list[int] | None] | None = None,
+        self, rows: list[BatchRow], proposed: list[int], accepted: list[int], paths: Paths = None
     ) -> None:
         for i, (n, a) in enumerate(zip(proposed, accepted, strict=True)):
             last = self._last[i]

@@ -38,6 +38,10 @@ if TYPE_CHECKING:
     from .engine import BatchRow
 
 
+# Per row, the proposals of a draft tree the target accepted (tree.py), None for a chain; None: no tree rows.
+Paths = list[list[int] | None] | None
+
+
 class Proposer:
     tap_layer_ids: tuple[int, ...] = ()
     max_block_size: int = 1  # anchor + proposals
@@ -194,11 +198,7 @@ class BatchProposer:
         raise NotImplementedError
 
     def observe(
-        self,
-        rows: list[BatchRow],
-        proposed: list[int],
-        accepted: list[int],
-        paths: list[list[int] | None] | None = None,
+        self, rows: list[BatchRow], proposed: list[int], accepted: list[int], paths: Paths = None
     ) -> None:
         """How many of each row's own proposals the target accepted (tree rows: `paths[i]`, which of them)."""
 
@@ -242,11 +242,7 @@ class PerRowProposers(BatchProposer):
         ]
 
     def observe(
-        self,
-        rows: list[BatchRow],
-        proposed: list[int],
-        accepted: list[int],
-        paths: list[list[int] | None] | None = None,
+        self, rows: list[BatchRow], proposed: list[int], accepted: list[int], paths: Paths = None
     ) -> None:
         for p, n, a in zip(self.proposers, proposed, accepted, strict=True):
             p.observe(n, a)
