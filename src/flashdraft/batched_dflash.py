@@ -44,9 +44,7 @@ class _Calibration:
         # Keyed by confidence bin: keys 0..bins-1 the drafter's own drafts, bins..2*bins-1 the other candidates of a
         # draft tree's slots (a token the drafter ranked lower is accepted at another rate than its top one with the
         # same probability); both start calibrated (p = confidence).
-        self.draft = AcceptanceTable(
-            confidence_table(self.confidence_bins).p(torch.arange(self.confidence_bins)).tolist() * 2
-        )
+        self.draft = confidence_table(self.confidence_bins, groups=2)
         # Lookup: keyed by (matched n-gram size, slot); prior 0.5 for the first slot, lower further out.
         self.lookup = AcceptanceTable(
             [0.5 * 0.9**slot for _ in range(LOOKUP_MAX_NGRAM) for slot in range(LOOKUP_MAX_TOKENS)]
@@ -389,8 +387,7 @@ class BatchedDFlashProposer(BatchProposer):
                 p_draft = self.calibration.draft.p(keys[i, :m])
                 candidate = ("dflash", tokens[i, :m], keys[i, :m], expected_tokens(p_draft), None)
             proposal, lkeys = lookups[i]
-            lookup_expected = expected_tokens(lookup_probs[i])
-            if len(proposal) and lookup_expected[-1] > candidate[3][-1]:
+            if len(proposal) and (lookup_expected := expected_tokens(lookup_probs[i]))[-1] > candidate[3][-1]:
                 candidate = ("lookup", torch.tensor(proposal, dtype=torch.long), lkeys, lookup_expected, None)
             choices.append(candidate)
         draft_s = self.costs.draft_batch_s(b, context)

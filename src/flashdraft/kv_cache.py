@@ -368,6 +368,11 @@ def static_refusal(target: Any) -> str | None:
     family = getattr(target.config, "model_type", None)
     if family not in STATIC_FAMILIES:
         return f"a model family ({family}) the static cache is not verified on (it serves {', '.join(STATIC_FAMILIES)})"
+    return mask_refusal(target)
+
+
+def mask_refusal(target: Any) -> str | None:
+    """Why the target's attention cannot take a mask the engine builds (None: it takes it as given)."""
     attention = getattr(target.model.config, "_attn_implementation", None)
     if attention not in (None, "sdpa", "eager", "flashdraft"):
         return f"{attention} attention, which does not take the engine's mask"

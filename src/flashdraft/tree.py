@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .kv_cache import is_sliding
+from .kv_cache import is_sliding, mask_refusal
 from .sampling import SamplingParams, check_finite, inverse_cdf_sample, target_probs
 
 
@@ -145,10 +145,7 @@ def tree_refusal(target: Any) -> str | None:
     family = getattr(target.config, "model_type", None)
     if family not in TREE_FAMILIES:
         return f"a model family ({family}) trees are not verified on (they are: {', '.join(TREE_FAMILIES)})"
-    attention = getattr(target.model.config, "_attn_implementation", None)
-    if attention not in (None, "sdpa", "eager", "flashdraft"):
-        return f"{attention} attention, which does not take the engine's mask"
-    return None
+    return mask_refusal(target)
 
 
 def tree_window(target: Any) -> int | None:
