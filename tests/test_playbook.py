@@ -44,7 +44,7 @@ def test_playbook_dry_run_brings_back_everything_and_resumes(tmp_path):
     report = playbook("status", "800")
     w = tmp_path / "w"
     assert (w / "pipeline.done").exists(), report
-    for part in ("bench", "profile", "compiled", "sharded", "regenerate", "eval"):
+    for part in ("bench", "profile", "compiled-profile", "compiled-bench", "sharded", "regenerate", "eval"):
         assert (w / "done" / part).exists(), (part, report)
     back = sorted((tmp_path / "out").iterdir())
     assert 1 <= len(back) <= 8 and all(p.stat().st_size < 16 * 2**20 for p in back), back

@@ -35,6 +35,11 @@ done and resumes training from its checkpoint. Parts, in the agenda's order:
 What comes back (at most 8 files, each under 16 MiB): results.tgz split in 15 MB pieces (bench results, profile,
 sharded comparison, logs, evaluations, the new drafter, the regenerated data).
 
+A short lease (15 device minutes) has room for the suite and one or two timing parts, not training: `PARTS` names the
+parts to run (comma-separated, e.g. PARTS=profile,compiled; default all), `METHODS` the bench's methods. The pipeline
+waits for the CUDA suite to end before it times anything (tests beside a timing skew it), and a status call whose
+wait ends before the pipeline does packs what is finished so far, so a lease that ends early still brings it back.
+
 DRY=1 runs the same parts on the CPU with TARGET=<small model dir> and DRAFT=<its drafter>, shortened
 (tests/test_playbook.py): shell and file logic never cost GPU minutes.
 """
@@ -45,23 +50,26 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[2]  # in the pipeline: the snapshot it runs from (`snapshot`)
+REPO = Path(os.environ.get("PLAYBOOK_REPO", ROOT))  # the checkout the calls bring: .gpu/ is there
 W = Path(os.environ.get("PLAYBOOK_DIR", "/tmp/pb"))
 DRY = os.environ.get("DRY") == "1"
 TARGET = os.environ.get("TARGET", "smollm2-135m-instruct")
 DRAFT = os.environ.get("DRAFT", str(ROOT / "drafters" / "smollm2-135m-instruct"))
 DEVICE, DTYPE = ("cpu", "float32") if DRY else ("cuda", "bfloat16")
-SMALL = ROOT / ".gpu" / "small"
+SMALL = REPO / ".gpu" / "small"
 PACK_DL = W / "home" / "downloads" / "smollm2-135m-instruct"
 # Sizes: the agenda's on a GPU, a few seconds' worth in a dry run.
 # The eager bench of five methods at 8 prompts x 256 tokens took 12 minutes on an H100 (launch-bound): 4 prompts.
 BENCH = dict(samples="1", tokens="16") if DRY else dict(samples="4", tokens="256")
+BENCH = {k: os.environ.get(k.upper(), v) for k, v in BENCH.items()}  # SAMPLES=, TOKENS= for a short lease
 PROBE_STEPS = 2 if DRY else 12
 SHARDED_STEPS = 3 if DRY else 40
 REGEN = dict(limit="4", tokens="16", seconds=60) if DRY else dict(limit="7473", tokens="256", seconds=240)
@@ -71,6 +79,11 @@ TRAIN = (
     else dict(batch="8", accum="2", anchors="512", length="1024", every="50")
 )
 RESERVE_S = 60 if DRY else 150  # evaluation and packing after training
+PARTS = set(filter(None, os.environ.get("PARTS", "").split(","))) or {
+    "bench", "profile", "compiled", "regenerate", "train", "eval", "sharded"}  # fmt: skip
+METHODS = os.environ.get("METHODS", "ar,hf,pld,dflash,dflash-fixed")
+COMPILED_METHODS = ",".join(m for m in METHODS.split(",") if m not in ("hf", "pld"))  # the engine's own methods
+TEST_WAIT_S = 30 if DRY else 420  # the longest the pipeline waits for the CUDA suite before timing
 
 
 def env() -> dict[str, str]:
@@ -95,19 +108,27 @@ def log(message: str) -> None:
 
 
 def run(cmd: list[str], out: Path, timeout: float | None = None) -> int:
-    """Run a command, its output appended to `out`; the return code (124 on timeout)."""
+    """Run a command, its output appended to `out`; the return code (124 on timeout). At the timeout it is
+    interrupted (SIGINT: the bench writes what it measured so far, training its checkpoint) and killed 30 s later."""
     log(f"$ {' '.join(cmd)}  > {out.name}")
     with out.open("a") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env(), cwd=ROOT)
         try:
-            return subprocess.run(
-                cmd, stdout=f, stderr=subprocess.STDOUT, env=env(), cwd=ROOT, timeout=timeout
-            ).returncode
+            return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            log(f"timed out after {timeout:.0f} s: {cmd[3] if len(cmd) > 3 else cmd[-1]}")
             return 124
 
 
 def done(part: str) -> bool:
-    return (W / "done" / part).exists()
+    """Finished, or not asked for (`PARTS`)."""
+    return part.split("-")[0] not in PARTS or (W / "done" / part).exists()
 
 
 def mark(part: str, note: str = "") -> None:
@@ -117,21 +138,35 @@ def mark(part: str, note: str = "") -> None:
 
 
 # ---------------------------------------------------------------------------------------------- device calls
+def snapshot() -> Path:
+    """A copy of the code the suite and the pipeline run from, made once: every device call sends the working tree
+    again, and files rewritten under a suite still collecting broke it there ("import file mismatch", 2026-11-26)."""
+    tree = W / "tree"
+    if not tree.exists():
+        skip = shutil.ignore_patterns(".git", ".gpu", ".venv*", "runs", ".hypothesis", "__pycache__", "*.egg-info",
+                                      ".llamacpp", ".pytest_cache", ".ruff_cache", ".whl", ".gl")  # fmt: skip
+        shutil.copytree(REPO, W / "tree.partial", ignore=skip, symlinks=True, dirs_exist_ok=True)
+        (W / "tree.partial").rename(tree)
+    return tree
+
+
 def check() -> None:
     """Call 1: the wheels, the first piece of the pack put aside, and the CUDA test suite started in its own session
     (spread over the cores with xdist), so that the pieces still to come travel while it runs."""
     W.mkdir(parents=True, exist_ok=True)
     piece(0)
-    wheels = sorted((ROOT / ".gpu" / "wheels").glob("*.whl"))
+    wheels = sorted((REPO / ".gpu" / "wheels").glob("*.whl"))
     if wheels:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target",
                         str(W / "site"), *map(str, wheels)], check=True)  # fmt: skip
-    workers = [] if DRY else ["-n", "8"]
+    workers = [] if DRY else ["-n", os.environ.get("TEST_WORKERS", "12")]
     cmd = [sys.executable, "-m", "pytest", "-m", "not slow", "-q", "-p", "no:cacheprovider", *workers,
            "--continue-on-collection-errors", *([] if not DRY else ["tests/test_sharding.py"])]  # fmt: skip
     (W / "cuda-tests.done").unlink(missing_ok=True)
     script = f"{shlex.join(cmd)} > {W / 'cuda-tests.log'} 2>&1; echo $? > {W / 'cuda-tests.done'}"
-    subprocess.Popen(["bash", "-c", script], env=env(), cwd=ROOT, start_new_session=True)
+    tree = snapshot()
+    test_env = {**env(), "PYTHONHASHSEED": "0", "PYTHONPATH": os.pathsep.join([str(tree / "src"), str(W / "site")])}
+    subprocess.Popen(["bash", "-c", script], env=test_env, cwd=tree, start_new_session=True)
     log(f"tests started: {' '.join(cmd)}")
     if not DRY:
         subprocess.run(
@@ -158,7 +193,7 @@ def tests(wait: float) -> None:
 
 
 def piece(n: int) -> None:
-    src = ROOT / ".gpu" / f"whl.part{n:02d}"
+    src = REPO / ".gpu" / f"whl.part{n:02d}"
     if not src.exists():
         log(f"no {src.name} here (not carried?)")
         return
@@ -179,9 +214,13 @@ def start(seconds: float) -> None:
             return
         mark("pack")
     deadline = time.time() + seconds
+    tree = snapshot()
+    pipeline_env = {**env(), "PLAYBOOK_REPO": str(REPO),
+                    "PYTHONPATH": os.pathsep.join([str(tree / "src"), str(W / "site")])}  # fmt: skip
     with (W / "pipeline.out").open("a") as f:
-        subprocess.Popen([sys.executable, __file__, "pipeline", str(deadline)], stdout=f, stderr=subprocess.STDOUT,
-                         env=env(), cwd=ROOT, start_new_session=True)  # fmt: skip
+        subprocess.Popen([sys.executable, str(tree / "drafters" / "device" / "playbook.py"), "pipeline",
+                          str(deadline)], stdout=f, stderr=subprocess.STDOUT, env=pipeline_env, cwd=tree,
+                         start_new_session=True)  # fmt: skip
     log(f"pipeline started, deadline in {seconds:.0f} s")
 
 
@@ -197,6 +236,8 @@ def status(wait: float) -> None:
             print(f"== {name}", *path.read_text().splitlines()[-2:], sep="\n")
     if not DRY:
         subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv"], check=False)
+    if not (W / "pipeline.done").exists() and (W / "pipeline.log").exists():
+        pack()  # a snapshot of what is finished: the lease may end before the pipeline does
     ready = sorted((W / "out").glob("results.tgz.part*"))
     if ready and "OUT" in os.environ:
         for path in ready:
@@ -208,9 +249,14 @@ def status(wait: float) -> None:
 def pipeline(deadline: float) -> None:
     (W / "pipeline.done").unlink(missing_ok=True)
     left = lambda: deadline - time.time()  # noqa: E731
+    if (W / "cuda-tests.log").exists():  # started by `check`: no timing beside it
+        end = time.time() + TEST_WAIT_S
+        while time.time() < end and not (W / "cuda-tests.done").exists():
+            time.sleep(2)
+        log("the CUDA suite " + ("ended" if (W / "cuda-tests.done").exists() else "still runs: timings skewed"))
     common = ["--target", TARGET, "--device", DEVICE, "--dtype", DTYPE]
     if not done("bench"):
-        code = run(fd("bench", *common, "--draft", DRAFT, "--methods", "ar,hf,pld,dflash,dflash-fixed",
+        code = run(fd("bench", *common, "--draft", DRAFT, "--methods", METHODS,
                       "--dataset", "gsm8k,humaneval,mt-bench", "--max-samples", BENCH["samples"],
                       "--max-new-tokens", BENCH["tokens"], "--no-plots", "--out", str(W / "bench")),
                    W / "bench.log", timeout=max(60, left() - RESERVE_S))  # fmt: skip
@@ -222,21 +268,25 @@ def pipeline(deadline: float) -> None:
                     "--json", str(W / "profile.json")], W / "profile.txt", timeout=300)  # fmt: skip
         if code == 0:
             mark("profile")
-    if not done("compiled") and left() > RESERVE_S + 120:
-        bench = run(fd("bench", *common, "--compile", "--draft", DRAFT, "--methods", "ar,pld,dflash,dflash-fixed",
-                       "--dataset", "gsm8k,humaneval,mt-bench", "--max-samples", BENCH["samples"],
-                       "--max-new-tokens", BENCH["tokens"], "--no-plots", "--out", str(W / "bench-compiled")),
-                    W / "bench-compiled.log", timeout=max(60, min(360, left() - RESERVE_S)))  # fmt: skip
-        profile = run([sys.executable, "benchmarks/profile_decode.py", "--target", TARGET, "--draft", DRAFT,
-                       "--device", DEVICE, "--dtype", DTYPE, "--repeats", "3" if DRY else "15", "--compile",
-                       "--json", str(W / "profile-compiled.json")], W / "profile-compiled.txt", timeout=240)  # fmt: skip
-        if bench == profile == 0:
-            mark("compiled")
+    if not done("compiled-profile") and left() > 120:  # the graphs' step time beside the eager one, first
+        code = run([sys.executable, "benchmarks/profile_decode.py", "--target", TARGET, "--draft", DRAFT,
+                    "--device", DEVICE, "--dtype", DTYPE, "--repeats", "3" if DRY else "15", "--compile",
+                    "--json", str(W / "profile-compiled.json")], W / "profile-compiled.txt",
+                   timeout=max(60, min(300, left() - 60)))  # fmt: skip
+        if code == 0:
+            mark("compiled-profile")
+    if not done("compiled-bench") and left() > 150:
+        code = run(fd("bench", *common, "--compile", "--draft", DRAFT, "--methods", COMPILED_METHODS,
+                      "--dataset", "gsm8k,humaneval,mt-bench", "--max-samples", BENCH["samples"],
+                      "--max-new-tokens", BENCH["tokens"], "--no-plots", "--out", str(W / "bench-compiled")),
+                   W / "bench-compiled.log", timeout=max(60, min(420, left() - 45)))  # fmt: skip
+        if code == 0:
+            mark("compiled-bench")
     # The durable training sets made with this target (a dry run's small model trains on what it regenerates).
     data = [] if DRY else sorted(str(p) for p in (ROOT / "data").glob("*/*.npz") if TARGET in p.parent.name)
     if not done("regenerate") and left() > RESERVE_S + REGEN["seconds"]:
         prompts = SMALL / "gsm8k_train.jsonl.gz"
-        prompts = prompts if prompts.exists() else ROOT.parent / "shared" / "data" / "gsm8k_train.jsonl"
+        prompts = prompts if prompts.exists() else REPO.parent / "shared" / "data" / "gsm8k_train.jsonl"
         code = run(fd("data", "regenerate", "--target", TARGET, "--target-dtype", DTYPE, "--prompts", str(prompts),
                       "--prompt-suffix", "boxed", "--out", str(W / "d" / "gsm8k-t07"), "--temperature", "0.7",
                       "--max-new-tokens", REGEN["tokens"], "--limit", REGEN["limit"], "--shuffle-seed", "2",
@@ -253,11 +303,11 @@ def pipeline(deadline: float) -> None:
             mark("regenerate", "complete" if code == 0 else f"cut at the time box (exit {code}); resumable")
     if (W / "gsm8k-t07.npz").exists():
         data.append(str(W / "gsm8k-t07.npz"))
-    if left() > RESERVE_S + 60:
+    if "train" in PARTS and left() > RESERVE_S + 60:
         train(data, deadline)
     trained = W / "run" / "train_log.jsonl"
     steps = str(len(trained.read_text().splitlines())) if trained.exists() else ""
-    if (W / "run" / "model.safetensors").exists() and not (
+    if "eval" in PARTS and (W / "run" / "model.safetensors").exists() and not (
         done("eval") and (W / "done" / "eval").read_text() == steps
     ):
         for name, draft in (("new", str(W / "run")), ("shipped", DRAFT)):
@@ -363,7 +413,7 @@ def pack() -> None:
     out = W / "out"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    keep = ["pipeline.log", "bench", "bench.log", "profile.txt", "profile.json", "sharded.json", "train.log",
+    keep = ["pipeline.log", "cuda-tests.log", "cuda-tests.done", "bench", "bench.log", "profile.txt", "profile.json", "sharded.json", "train.log",
             "bench-compiled", "bench-compiled.log", "profile-compiled.txt", "profile-compiled.json",
             "probe.log", "eval.log", "eval-new.json", "eval-shipped.json", "gsm8k-t07.npz", "regenerate.log",
             "train-mode", "train-modes.json", "done"]  # fmt: skip

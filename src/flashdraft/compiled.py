@@ -12,9 +12,9 @@ position inside a graph) and gives it torch.compile's options for its device:
          guards 9.3, frozen 8.8. `max_autotune` (inductor's C++ GEMM templates tried against ATen per shape) took
          it to 8.3 but costs minutes per shape, so it is left to `$FLASHDRAFT_COMPILE`.
 
-On a CPU the sizes that vary (rows, verify length, capacity) are symbolic from the first compile
-(`kv_cache.symbolic_sizes`), so a prompt of another length or a row joining mid-answer costs no compile; on a GPU
-dynamo makes a size symbolic once it has seen it change. inductor caches what it compiled on disk (its FX graph and
+The sizes that vary (rows, verify length, capacity) are symbolic from the first compile (`kv_cache.symbolic_sizes`),
+so a prompt of another length or a row joining mid-answer costs no compile; on a GPU each new concrete size records
+a CUDA graph of the same compiled code. inductor caches what it compiled on disk (its FX graph and
 autotuning caches), so a second process starts faster. `$FLASHDRAFT_COMPILE` (a JSON object of torch.compile's
 keywords) replaces the options on either device.
 """
@@ -126,8 +126,10 @@ class VerifyForward:
         if not self.compiled:
             return self._forward(input_ids, position_ids, mask, cache)
         self._captured.clear()  # the hooks also fire in eager forwards (prefill): the graph always starts empty
-        # Fresh inputs: a graph is kept per stride and storage offset too, not only per shape.
-        input_ids, position_ids = input_ids.clone(), position_ids.clone()
+        # Fresh contiguous inputs: a graph is kept per stride and storage offset too, not only per shape (a plain
+        # clone keeps a [1, n] slice's row stride, the length of what it was cut from: a guard, and a recompile).
+        input_ids = input_ids.clone(memory_format=torch.contiguous_format)
+        position_ids = position_ids.clone(memory_format=torch.contiguous_format)
         for t in (input_ids, position_ids):
             symbolic_sizes(t, 0, 1)  # rows, verify length
         symbolic_sizes(mask, 0, 2, 3)  # rows, verify length, capacity

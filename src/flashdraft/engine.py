@@ -231,13 +231,13 @@ class BatchDecoder:
         self._merge(cache, prompt_len, max_new_tokens)
         self.rows.append(row)
         self.proposer.add(row, out.features)
-        if self.static and self.verify.compiled and self.target.device.type == "cpu":
+        if self.static and self.verify.compiled:
             self._compile_ahead()
         return row
 
     def _compile_ahead(self) -> None:
-        """Compiled on a CPU: the verify's two graphs with these taps (one token; 2-64 tokens, symbolic) made now, so
-        a step that first verifies one token (the policy's plain step) does not compile mid-answer. Their columns
+        """Compiled: the verify's two graphs with these taps (one token; 2-64 tokens, symbolic) made now, so a step
+        that first verifies one token (the policy's plain step) does not compile mid-answer. Their columns
         are written past the valid length and dropped (a length moved back), as a rejected block's are."""
         if self.verify.compiled_ahead:
             return

@@ -82,11 +82,12 @@ class _Columns:
 
 
 def symbolic_sizes(t: torch.Tensor | None, *dims: int) -> None:
-    """On a CPU, these sizes of `t` are symbolic from the first compile, so a capacity, a verify length or a number
-    of rows first met mid-answer costs no compile (minutes of them at a first start otherwise; dynamo would make a
-    size symbolic only after seeing it change, one compile later). Sizes 1 stay specialised, as dynamo keeps them. On
-    a GPU, where CUDA graphs are recorded per size anyway, shapes are left to dynamo."""
-    if t is None or t.device.type != "cpu":
+    """These sizes of `t` are symbolic from the first compile, so a capacity, a verify length or a number of rows
+    first met mid-answer costs no compile: dynamo would make a size symbolic only after seeing it change, one whole
+    compile later, and on an H100 each such recompile of SmolLM2's verify took 20-50 s in the middle of an answer
+    (benchmarks/smollm2-135m-instruct-gpu/, 2026-11-26). Sizes 1 stay specialised, as dynamo keeps them. On a GPU
+    the CUDA graphs are still recorded per concrete size, which costs a few replays, not a compile."""
+    if t is None:
         return
     for dim in dims:
         if t.shape[dim] > 1:
@@ -95,7 +96,7 @@ def symbolic_sizes(t: torch.Tensor | None, *dims: int) -> None:
 
 def _static_buffer(like: torch.Tensor, capacity: int, mark_static: bool) -> torch.Tensor:
     buf = like.new_zeros(like.shape[0], like.shape[1], capacity, like.shape[3])
-    if mark_static:  # compiled: a fixed address (CUDA graphs), and on a CPU symbolic rows and capacity
+    if mark_static:  # compiled: a fixed address (CUDA graphs), symbolic rows and capacity
         torch._dynamo.mark_static_address(buf)
         symbolic_sizes(buf, 0, 2)
     return buf
