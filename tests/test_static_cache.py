@@ -204,16 +204,42 @@ def test_dflash_generate_is_the_same_compiled(models):
         assert out.new_tokens == reference.new_tokens
 
 
-def test_static_verify_prices_the_bucket_lengths(models):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_static_verify_prices_the_bucket_lengths_and_the_engine_s_draft_pass(models, compiled, monkeypatch):
+    """Beside a static cache the verify is priced at the bucket lengths, and the draft pass through the engine's own
+    proposer: its compiled block pass when the verify is compiled (the eager proposer's pass overpriced drafting
+    beside CUDA graphs on an H100)."""
     model = models["llama"]
     draft = DFlashDraftModel.for_target(
         model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1
     ).eval()
     target = Target(model)
     target.static_cache = True
+    if compiled:
+        target.compile_options = EAGER_GRAPH
+    from flashdraft.batched_dflash import BatchedDFlashProposer
+    from flashdraft.proposers import DFlashProposer
+
+    timed = {"eager proposer": 0, "engine's proposer": 0}
+
+    def counting(cls, name, key):
+        original = getattr(cls, name)
+
+        def wrapper(self, *args, **kwargs):
+            timed[key] += 1
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, wrapper)
+
+    counting(DFlashProposer, "draft_confidences", "eager proposer")
+    counting(BatchedDFlashProposer, "draft_rows", "engine's proposer")
     costs = measure_costs(target, draft, repeats=1, contexts=(16, 48), batch_tokens=())
     assert costs.lengths == [1, 2, 4, 8]
     assert all(t > 0 for t in costs.verify_base)
+    assert costs.draft_base + costs.draft_slope * 16 > 0
+    # the engine's passes: a warm-up and one timed per context, and the row-count slope's; no eager proposer
+    assert timed == {"eager proposer": 0, "engine's proposer": 2 * 2 + 2 * 2}, timed
+    assert bool(draft.__dict__.get("_flashdraft_block_passes")) == compiled
 
 
 @pytest.mark.parametrize("make", [lambda m: m["gemma3"], lambda m: hybrid_model("qwen3_next")])
