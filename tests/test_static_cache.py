@@ -356,7 +356,7 @@ def test_cuda_graphs_decode_what_the_eager_gpu_path_decodes(models, block_size):
         eager, draft, prompts, limits, stop_token_ids=[], block_size=block_size, max_batch_size=3
     )
     target = Target(model)
-    assert compile_verify(target) is None and target.compile_options == {"mode": "reduce-overhead"}
+    assert compile_verify(target) is None and target.compile_options["options"]["triton.cudagraphs"]
     for _ in range(2):  # the second run replays the graphs the first recorded
         got = generate_batch(target, draft, prompts, limits, stop_token_ids=[], block_size=block_size,
                              max_batch_size=3)  # fmt: skip

@@ -106,7 +106,7 @@ class Target:
         )
         self._continues: bool | None = None  # probed on the first verify of a recurrent target
         # How the engine verifies on this target (kv_cache.py): the static cache (None: on a GPU, where the target
-        # allows it), and torch.compile's options for its verify (None: eager; {"mode": "reduce-overhead"}: CUDA
+        # allows it), and torch.compile's options for its verify (None: eager; inductor's triton.cudagraphs: CUDA
         # graphs).
         self.static_cache: bool | None = None
         self.compile_options: dict[str, Any] | None = None
