@@ -341,9 +341,11 @@ def test_the_static_draft_context_holds_what_a_growing_one_holds():
     not torch.cuda.is_available(), reason="needs a GPU (the device playbook's first call runs it)"
 )
 @pytest.mark.parametrize("block_size", [8, "auto"])
-def test_cuda_graphs_decode_what_the_eager_gpu_path_decodes(models, block_size):
-    """On a GPU: --compile (the static caches, CUDA graphs of the verify and of the block pass) against the growing
-    cache, eager, on the same device: the same tokens, a batch and a single request."""
+@pytest.mark.parametrize("tree", [None, 8])
+def test_cuda_graphs_decode_what_the_eager_gpu_path_decodes(models, block_size, tree):
+    """On a GPU: --compile (the static caches, CUDA graphs of the verify and of the block pass; draft trees in the
+    graphed verify's mask) against the growing cache, eager, on the same device: the same tokens, a batch and a
+    single request."""
     import copy
 
     model = copy.deepcopy(models["llama"]).cuda()
@@ -353,15 +355,17 @@ def test_cuda_graphs_decode_what_the_eager_gpu_path_decodes(models, block_size):
     eager = Target(model)
     eager.static_cache = False
     want = generate_batch(
-        eager, draft, prompts, limits, stop_token_ids=[], block_size=block_size, max_batch_size=3
+        eager, draft, prompts, limits, stop_token_ids=[], block_size=block_size, max_batch_size=3, tree=tree
     )
     target = Target(model)
     assert compile_verify(target) is None and target.compile_options["options"]["triton.cudagraphs"]
     for _ in range(2):  # the second run replays the graphs the first recorded
         got = generate_batch(target, draft, prompts, limits, stop_token_ids=[], block_size=block_size,
-                             max_batch_size=3)  # fmt: skip
+                             max_batch_size=3, tree=tree)  # fmt: skip
         assert [g.new_tokens for g in got] == [w.new_tokens for w in want]
-    one = generate(target, draft, prompts[0], max_new_tokens=30, stop_token_ids=[], block_size=block_size)
+    one = generate(
+        target, draft, prompts[0], max_new_tokens=30, stop_token_ids=[], block_size=block_size, tree=tree
+    )
     assert one.new_tokens == want[0].new_tokens[:30]
 
 

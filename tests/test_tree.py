@@ -227,7 +227,22 @@ def test_oracle_trees_decode_as_plain(arch, static, temperature):
     """Random trees hiding the true continuation on random branches, 5 prompts through a batch of at most 3 rows
     (rows join and leave): every output equals plain decoding (greedy, or the same seed's sample), on the growing
     cache and on the static one (kv_cache.py; what --compile runs)."""
-    target = tree_target(arch, seed=2)
+    oracle_trees_decode_as_plain(tree_target(arch, seed=2), arch, static, temperature)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU (the device playbook's first call runs it)"
+)
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_oracle_trees_decode_as_plain_on_a_gpu(static, temperature):
+    """The same on CUDA, fp32: the tree's 4-D mask through SDPA's GPU kernels, on the growing and the static cache,
+    against plain decoding on the same device."""
+    target = Target(tiny_model("llama", seed=2).cuda())
+    oracle_trees_decode_as_plain(target, "llama", static, temperature)
+
+
+def oracle_trees_decode_as_plain(target: Target, arch: str, static: bool, temperature: float) -> None:
     prompts = random_prompts(5, seed=len(arch))
     limits = [30, 9, 40, 2, 25]
     seeds = [11, 12, 13, 14, 15]
