@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from conftest import VOCAB, OracleProposer, hybrid_model
+from conftest import VOCAB, OracleProposer, hybrid_model, tiny_model
 from flashdraft import DFlashDraftModel, Target, generate_ar
-from flashdraft.compiled import compile_verify
+from flashdraft.compiled import compile_verify, draft_block_pass, verify_forward
 from flashdraft.engine import BatchDecoder
 from flashdraft.generate import generate, generate_batch, run
 from flashdraft.kv_cache import CAPACITY_STEP, VERIFY_BUCKETS, kv_layers, static_mask
@@ -202,6 +202,21 @@ def test_dflash_generate_is_the_same_compiled(models):
     for block_size in ("auto", 8):
         out = generate(target, draft, prompt, max_new_tokens=40, stop_token_ids=[], block_size=block_size)
         assert out.new_tokens == reference.new_tokens
+
+
+def test_compiling_leaves_the_target_s_options_whole():
+    """torch.compile pops `guard_filter_fn` out of the options dict it is given: the verify and the drafter's block
+    pass are compiled from copies, so both skip the module guards and the cost model's cache key stays the same
+    within a process (torch.compile is lazy: nothing is compiled here)."""
+    model = tiny_model("llama")
+    draft = DFlashDraftModel.for_target(model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1)
+    target = Target(model)
+    assert compile_verify(target) is None
+    key = json.dumps(cost_key(target, draft))
+    verify_forward(target, draft.config.target_layer_ids)
+    draft_block_pass(draft.eval(), target)
+    assert "guard_filter_fn" in target.compile_options["options"]
+    assert json.dumps(cost_key(target, draft)) == key
 
 
 @pytest.mark.parametrize("compiled", [False, True])

@@ -76,6 +76,19 @@ def compile_options(device: torch.device, training: bool = False) -> dict[str, A
     return {"options": {"freezing": True, "guard_filter_fn": skip_module_guards}}
 
 
+def compile_whole(fn: Any, compile_options: dict[str, Any]) -> Any:
+    """`torch.compile(fn, fullgraph=True, **compile_options)` on a copy of the options: torch.compile pops
+    `guard_filter_fn` out of the `options` dict it is given, so the target's own options lost it at the verify's
+    compile (the drafter's block pass then kept its module guards, and the cost model's cache key changed in the
+    middle of a process)."""
+    return torch.compile(fn, fullgraph=True, **fresh_options(compile_options))
+
+
+def fresh_options(compile_options: dict[str, Any]) -> dict[str, Any]:
+    """torch.compile's keywords with their nested dicts copied (torch.compile changes the `options` it is given)."""
+    return {k: dict(v) if isinstance(v, dict) else v for k, v in compile_options.items()}
+
+
 def options_key(options: dict[str, Any] | None) -> str:
     """`options` as text that is the same in every process (a function by its name, not its address): what the
     cost model is cached under."""
@@ -102,7 +115,7 @@ class VerifyForward:
             target.layers[layer_id].register_forward_hook(self._hook(layer_id))
         fn = self._forward
         if self.compiled:
-            fn = torch.compile(fn, fullgraph=True, **compile_options)
+            fn = compile_whole(fn, compile_options)
         self._fn = fn
 
     def _hook(self, layer_id: int):
@@ -160,7 +173,7 @@ def draft_block_pass(draft: Any, target: Any) -> Any:
     key = options_key(target.compile_options)
     if key in passes:
         return passes[key]
-    compiled = torch.compile(draft.block_pass, fullgraph=True, **target.compile_options)
+    compiled = compile_whole(draft.block_pass, target.compile_options)
 
     def run(x, cos, sin, keys, values, masks, block_len) -> torch.Tensor:
         # made this step (the context's K/V are marked where DraftContextCache makes them)

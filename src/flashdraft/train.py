@@ -201,11 +201,11 @@ class Trainer:
             )
         self.draft = draft.to(self.device).float().train()
         if config.compile:
-            from .compiled import compile_options
+            from .compiled import compile_options, fresh_options
 
             options = compile_options(self.device, training=True)  # no CUDA graphs, nothing frozen:
             for layer in self.draft.layers:  # shapes change with every micro-batch
-                layer.compile(dynamic=None, **options)
+                layer.compile(dynamic=None, **fresh_options(options))
         self.block_size = config.block_size
         self.gamma = config.gamma or default_gamma(self.block_size)
         self.weights = slot_weights(self.block_size, self.gamma)
