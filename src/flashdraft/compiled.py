@@ -35,8 +35,8 @@ from .target import TargetError
 
 def compile_verify(target: Any) -> str | None:
     """Have the engine verify on `target` through the static cache, compiled: CUDA graphs on a GPU
-    (inductor's `triton.cudagraphs`), inductor's kernels on a CPU. Returns a one-line note when the target cannot take it
-    (it then decodes eagerly, as exactly)."""
+    (inductor's `triton.cudagraphs`), inductor's kernels on a CPU. Returns a one-line note when the target cannot
+    take it (it then decodes eagerly, as exactly)."""
     reason = static_refusal(target)
     if reason is not None:
         return (
@@ -69,9 +69,8 @@ def compile_options(device: torch.device, training: bool = False) -> dict[str, A
     if training:
         return {}
     skip_module_guards = torch.compiler.skip_guard_on_all_nn_modules_unsafe  # the models are frozen
-    if (
-        device.type == "cuda"
-    ):  # mode="reduce-overhead" is {"triton.cudagraphs": True}; a mode takes no other option
+    # mode="reduce-overhead" is {"triton.cudagraphs": True}, and a mode takes no other option
+    if device.type == "cuda":
         return {"options": {"triton.cudagraphs": True, "guard_filter_fn": skip_module_guards}}
     return {"options": {"freezing": True, "guard_filter_fn": skip_module_guards}}
 
@@ -99,9 +98,9 @@ def options_key(options: dict[str, Any] | None) -> str:
 
 class VerifyForward:
     """The target's verify over a static cache, with its layer taps: (logits [b, n, V] fp32, taps [b, n, F]).
-    Compiled whole (fullgraph) with `compile_options` (torch.compile's keywords); on a GPU
-    inductor's `triton.cudagraphs` records a CUDA graph per shape. The taps are hooks registered once (hooks added and
-    removed per call would make every call a new graph)."""
+    Compiled whole (fullgraph) with `compile_options` (torch.compile's keywords); on a GPU inductor's
+    `triton.cudagraphs` records a CUDA graph per shape. The taps are hooks registered once (hooks added and removed
+    per call would make every call a new graph)."""
 
     def __init__(self, target: Any, tap_layer_ids: Sequence[int], compile_options: dict | None) -> None:
         self.target = target

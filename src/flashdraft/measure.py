@@ -212,11 +212,10 @@ def measure_costs(
 
             times.append(median_seconds(static_verify if static else verify, repeats))
         per_context.append(times)
-        if (
-            static
-        ):  # the engine's own draft pass over its static context (compiled with the verify, if it is):
-            # the eager proposer's would overprice it beside a graphed verify (2.4 ms against ~2.9 for a verify of
-            # 16 on an H100). The warm-up absorbs the prompt's features; the timed passes draft from that context.
+        # Beside a static cache, the engine's own draft pass over its static context (compiled with the verify, if
+        # it is): the eager proposer's would overprice it beside a graphed verify (2.4 ms against ~2.9 for a verify
+        # of 16 on an H100). The warm-up absorbs the prompt's features; the timed passes draft from that context.
+        if static:
             draft_times.append(median_seconds(lambda e=engine: e.proposer.draft_rows(e.rows), repeats))
         else:
             proposer.start(prefill.features)
