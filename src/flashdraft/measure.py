@@ -191,37 +191,37 @@ def measure_costs(
 
     per_context: list[list[float]] = []
     draft_times: list[float] = []
-    proposer = DFlashProposer(draft, target, dtype=getattr(torch, draft_dtype))
+    proposer = None if static else DFlashProposer(draft, target, dtype=getattr(torch, draft_dtype))
     for c in contexts:
-        cache = target.new_cache()
-        prefill = target.forward(ids[:, :c], cache, taps)
-        times = []
-        engine = static_decoder(target, draft, ids[:, :c], dtype=draft_dtype) if static else None
-        for n in lengths:
+        if static:
+            # The engine's own forwards over its static caches (compiled, if it is): the verify, and the draft pass
+            # over its static context (the eager proposer's would overprice it beside a graphed verify: 2.4 ms
+            # against ~2.9 for a verify of 16 on an H100). The draft's warm-up absorbs the prompt's features; the
+            # timed passes draft from that context.
+            engine = static_decoder(target, draft, ids[:, :c], dtype=draft_dtype)
 
-            def verify(n=n, c=c, cache=cache):
-                target.forward(ids[:, c : c + n], cache, taps)
-                target.keep(
-                    cache, [0]
-                )  # recurrent state back to the context: the price of the rollback included
-                target.crop(cache, c)
-
-            def static_verify(n=n, c=c, decoder=engine):  # the engine's own forward (compiled, if it is)
+            def verify(n, c=c, decoder=engine):
                 decoder.forward_block(ids[:, c : c + n], torch.arange(c, c + n, device=device)[None])
                 target.crop(decoder.cache, c)
 
-            times.append(median_seconds(static_verify if static else verify, repeats))
-        per_context.append(times)
-        # Beside a static cache, the engine's own draft pass over its static context (compiled with the verify, if
-        # it is): the eager proposer's would overprice it beside a graphed verify (2.4 ms against ~2.9 for a verify
-        # of 16 on an H100). The warm-up absorbs the prompt's features; the timed passes draft from that context.
-        if static:
-            draft_times.append(median_seconds(lambda e=engine: e.proposer.draft_rows(e.rows), repeats))
+            def draft_pass(decoder=engine):
+                decoder.proposer.draft_rows(decoder.rows)
+
         else:
+            cache = target.new_cache()
+            prefill = target.forward(ids[:, :c], cache, taps)
             proposer.start(prefill.features)
-            draft_times.append(
-                median_seconds(lambda c=c: proposer.draft_confidences(int(ids[0, c]), c, block - 1), repeats)
-            )
+
+            def verify(n, c=c, cache=cache):
+                target.forward(ids[:, c : c + n], cache, taps)
+                target.keep(cache, [0])  # recurrent state back to the context: the rollback's price included
+                target.crop(cache, c)
+
+            def draft_pass(c=c):
+                proposer.draft_confidences(int(ids[0, c]), c, block - 1)
+
+        per_context.append([median_seconds(lambda n=n: verify(n), repeats) for n in lengths])
+        draft_times.append(median_seconds(draft_pass, repeats))
     c0, c1 = contexts[0], contexts[-1]
     span = max(c1 - c0, 1)
     one_row, many_rows = (
