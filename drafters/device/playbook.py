@@ -82,9 +82,8 @@ RESERVE_S = 60 if DRY else 150  # evaluation and packing after training
 PARTS = set(filter(None, os.environ.get("PARTS", "").split(","))) or {
     "bench", "profile", "compiled", "regenerate", "train", "eval", "sharded"}  # fmt: skip
 METHODS = os.environ.get("METHODS", "ar,hf,pld,dflash,dflash-fixed")
-COMPILED_METHODS = ",".join(
-    m for m in METHODS.split(",") if m not in ("hf", "pld")
-)  # the engine's own methods
+# the compiled bench runs the engine's own methods (hf and pld are transformers')
+COMPILED_METHODS = ",".join(m for m in METHODS.split(",") if m not in ("hf", "pld"))
 TEST_WAIT_S = 30 if DRY else 420  # the longest the pipeline waits for the CUDA suite before timing
 # The tests that skip without a GPU: run first, on their own, so a lease cut short still answers for them.
 GPU_TESTS = [
@@ -133,6 +132,19 @@ def run(cmd: list[str], out: Path, timeout: float | None = None) -> int:
             return 124
 
 
+def wait_for(path: Path, seconds: float) -> bool:
+    """Wait at most `seconds` for `path` to exist; whether it does."""
+    end = time.time() + seconds
+    while time.time() < end and not path.exists():
+        time.sleep(2)
+    return path.exists()
+
+
+def tree_env(tree: Path) -> dict[str, str]:
+    """The environment of a process that runs from the snapshot `tree`."""
+    return {**env(), "PYTHONPATH": os.pathsep.join([str(tree / "src"), str(W / "site")])}
+
+
 def done(part: str) -> bool:
     """Finished, or not asked for (`PARTS`)."""
     return part.split("-")[0] not in PARTS or (W / "done" / part).exists()
@@ -176,11 +188,7 @@ def check() -> None:
     if not DRY:
         script = f"{shlex.join([*pytest, '-rA', *GPU_TESTS])} > {W / 'gpu-tests.log'} 2>&1; {script}"
     tree = snapshot()
-    test_env = {
-        **env(),
-        "PYTHONHASHSEED": "0",
-        "PYTHONPATH": os.pathsep.join([str(tree / "src"), str(W / "site")]),
-    }
+    test_env = {**tree_env(tree), "PYTHONHASHSEED": "0"}  # xdist's workers must collect the same tests
     subprocess.Popen(["bash", "-c", script], env=test_env, cwd=tree, start_new_session=True)
     log(f"tests started: {' '.join(cmd)}")
     if not DRY:
@@ -193,9 +201,7 @@ def check() -> None:
 
 def tests(wait: float) -> None:
     """The suite's result, waiting at most `wait` seconds for it; the log to $OUT."""
-    end = time.time() + wait
-    while time.time() < end and not (W / "cuda-tests.done").exists():
-        time.sleep(2)
+    wait_for(W / "cuda-tests.done", wait)
     log_file = W / "cuda-tests.log"
     lines = log_file.read_text().strip().splitlines() if log_file.exists() else ["no test log"]
     state = (
@@ -234,8 +240,7 @@ def start(seconds: float) -> None:
         mark("pack")
     deadline = time.time() + seconds
     tree = snapshot()
-    pipeline_env = {**env(), "PLAYBOOK_REPO": str(REPO),
-                    "PYTHONPATH": os.pathsep.join([str(tree / "src"), str(W / "site")])}  # fmt: skip
+    pipeline_env = {**tree_env(tree), "PLAYBOOK_REPO": str(REPO)}
     with (W / "pipeline.out").open("a") as f:
         subprocess.Popen([sys.executable, str(tree / "drafters" / "device" / "playbook.py"), "pipeline",
                           str(deadline)], stdout=f, stderr=subprocess.STDOUT, env=pipeline_env, cwd=tree,
@@ -245,9 +250,7 @@ def start(seconds: float) -> None:
 
 def status(wait: float) -> None:
     """Progress, and what is finished copied to $OUT."""
-    end = time.time() + wait
-    while time.time() < end and not (W / "pipeline.done").exists():
-        time.sleep(2)
+    wait_for(W / "pipeline.done", wait)
     print((W / "pipeline.log").read_text() if (W / "pipeline.log").exists() else "no pipeline log yet")
     for name in ("train_log.jsonl", "eval_log.jsonl"):
         path = W / "run" / name
@@ -269,13 +272,8 @@ def pipeline(deadline: float) -> None:
     (W / "pipeline.done").unlink(missing_ok=True)
     left = lambda: deadline - time.time()  # noqa: E731
     if (W / "cuda-tests.log").exists():  # started by `check`: no timing beside it
-        end = time.time() + TEST_WAIT_S
-        while time.time() < end and not (W / "cuda-tests.done").exists():
-            time.sleep(2)
-        log(
-            "the CUDA suite "
-            + ("ended" if (W / "cuda-tests.done").exists() else "still runs: timings skewed")
-        )
+        ended = wait_for(W / "cuda-tests.done", TEST_WAIT_S)
+        log("the CUDA suite " + ("ended" if ended else "still runs: timings skewed"))
     common = ["--target", TARGET, "--device", DEVICE, "--dtype", DTYPE]
     if not done("bench"):
         code = run(fd("bench", *common, "--draft", DRAFT, "--methods", METHODS,
@@ -437,7 +435,8 @@ def pack() -> None:
     out = W / "out"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    keep = ["pipeline.log", "gpu-tests.log", "cuda-tests.log", "cuda-tests.done", "bench", "bench.log", "profile.txt", "profile.json", "sharded.json", "train.log",
+    keep = ["pipeline.log", "gpu-tests.log", "cuda-tests.log", "cuda-tests.done", "bench", "bench.log", "profile.txt",
+            "profile.json", "sharded.json", "train.log",
             "bench-compiled", "bench-compiled.log", "profile-compiled.txt", "profile-compiled.json",
             "probe.log", "eval.log", "eval-new.json", "eval-shipped.json", "gsm8k-t07.npz", "regenerate.log",
             "train-mode", "train-modes.json", "done"]  # fmt: skip
