@@ -219,6 +219,51 @@ def test_compiling_leaves_the_target_s_options_whole():
     assert json.dumps(cost_key(target, draft)) == key
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_matmuls_become_reductions_of_the_matmul_s_values(dtype):
+    """The CPU options' inductor pass: the matmuls of a one-row step (its linears, the LM head) become reductions
+    that stream each weight once; matmuls of several rows stay with the BLAS. The values are the matmul's, within
+    the rounding of another summation order."""
+    from flashdraft.compiled import ONE_ROW_REWRITES, compile_options, compile_whole
+
+    torch.manual_seed(0)
+    up, head = (torch.nn.Linear(*shape, bias=False).to(dtype).eval() for shape in ((48, 80), (80, 300)))
+    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+        for rows in (1, 3):
+            torch._dynamo.reset()
+            step = compile_whole(
+                lambda x: head(torch.relu(up(x))).float(), compile_options(torch.device("cpu"))
+            )
+            x = torch.randn(rows, 1, 48, dtype=dtype)
+            before = ONE_ROW_REWRITES["matmuls"]
+            got = step(x)
+            assert ONE_ROW_REWRITES["matmuls"] - before == (2 if rows == 1 else 0)
+            want = torch.nn.functional.linear(
+                torch.relu(torch.nn.functional.linear(x.float(), up.weight.float()).to(dtype)).float(),
+                head.weight.float(),
+            )
+            tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
+def test_inductor_s_one_token_step_decodes_as_plain_decoding(models):
+    """The real CPU compile (inductor's C++ kernels, frozen weights, the one-row pass), not dynamo alone: greedy and
+    seeded sampling through the compiled one-token step give plain decoding's tokens."""
+    from flashdraft.compiled import ONE_ROW_REWRITES
+
+    model = models["llama"]
+    prompt = list(range(5, 30))
+    target = Target(model)
+    assert compile_verify(target) is None
+    before = ONE_ROW_REWRITES["matmuls"]
+    with torch._inductor.config.patch(fx_graph_cache=False):  # compiled here, so the pass runs here
+        for temperature in (0.0, 0.9):
+            want = generate_ar(Target(model), prompt, 12, temperature=temperature, seed=3, stop_token_ids=[])
+            got = generate_ar(target, prompt, 12, temperature=temperature, seed=3, stop_token_ids=[])
+            assert got.new_tokens == want.new_tokens
+    assert ONE_ROW_REWRITES["matmuls"] > before  # the one-token graph's linears and head went through it
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_static_verify_prices_the_bucket_lengths_and_the_engine_s_draft_pass(models, compiled, monkeypatch):
     """Beside a static cache the verify is priced at the bucket lengths, and the draft pass through the engine's own
