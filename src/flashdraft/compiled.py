@@ -78,7 +78,7 @@ def compile_options(device: torch.device, training: bool = False) -> dict[str, A
         "options": {
             "freezing": True,
             "guard_filter_fn": skip_module_guards,
-            "post_grad_custom_pre_pass": one_row_matmuls(),
+            "pre_grad_custom_pass": one_row_matmuls(),
         }
     }
 
@@ -106,39 +106,36 @@ ONE_ROW_REWRITES = {"matmuls": 0}  # how many matmuls the pass rewrote in this p
 
 
 def rewrite_one_row_matmuls(graph: torch.fx.Graph) -> None:
-    """A matmul of one row by a weight (`x @ W.T`: every linear of a one-token step, and its LM head) becomes a
-    multiply and a sum over the inner dimension, which inductor writes as one vectorized reduction that streams
-    the weight once. A decode step's matmuls are bound by reading the weights, and the BLAS behind ATen's `mm`
-    reads them well below the memory bandwidth: on a 2-core AMD EPYC (avx2), 100 fp32 weights of 1536 x 576 took
-    29 ms through `mm` (12 GB/s) and 12 ms as reductions (29 GB/s, a plain sum's rate over memory). At 4 or 16 rows
-    the BLAS wins again, so only a first dimension that is the constant 1 is rewritten (a row count marked
-    symbolic never is). The products and the sum are in fp32 whatever the dtype, as a GEMM accumulates."""
-    aten, convert = torch.ops.aten, torch.ops.prims.convert_element_type.default
+    """A linear of one row (every linear of a one-token step, and its LM head) becomes a multiply and a sum over
+    the inner dimension, which inductor writes as one vectorized reduction that streams the weight once. A decode
+    step's matmuls are bound by reading the weights, and a BLAS reads them well below the memory bandwidth: on a
+    2-core AMD EPYC (avx2), 100 fp32 weights of 1536 x 576 took 29 ms through ATen's `mm` (12 GB/s), 21 ms
+    through MKL's packed GEMM and 12 ms as reductions (29 GB/s, a plain sum's rate over memory). At 4 to 16 rows
+    the packed GEMM wins (oneDNN's: 28-39 ms), so only rows that are the constant 1 are rewritten (a row count
+    marked symbolic never is), and only in fp32 (in bf16 the cast weight would be folded into an fp32 copy).
+    It runs before inductor freezes the graph, so the weights it reads are the frozen ones, not packed copies."""
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not aten.mm.default:
+        if node.op != "call_function" or node.target is not torch._C._nn.linear:
             continue
-        row, weight = (arg.meta.get("val") for arg in node.args)
+        x, weight = node.args[0], node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        row, w = (getattr(arg, "meta", {}).get("example_value") for arg in (x, weight))
         if not (
             isinstance(row, torch.Tensor)
-            and isinstance(weight, torch.Tensor)
+            and isinstance(w, torch.Tensor)
             and row.device.type == "cpu"
-            and row.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and weight.dtype == row.dtype
-            and type(row.shape[0]) is int
-            and row.shape[0] == 1
+            and row.dtype == w.dtype == torch.float32
+            and all(type(size) is int for size in row.shape[:-1])
+            and row.shape[:-1].numel() == 1
         ):
             continue
-        x, w = node.args
         with graph.inserting_before(node):
-            if row.dtype != torch.float32:
-                x = graph.call_function(convert, (x, torch.float32))
-                w = graph.call_function(convert, (w, torch.float32))
-            column = graph.call_function(aten.unsqueeze.default, (x, 2))  # [1, K, 1]
-            products = graph.call_function(aten.mul.Tensor, (column, w))  # [1, K, N]
-            out = graph.call_function(aten.sum.dim_IntList, (products, [1]))  # [1, N]
-            if row.dtype != torch.float32:
-                out = graph.call_function(convert, (out, row.dtype))
-        out.meta["val"] = node.meta["val"]
+            column = graph.call_method("unsqueeze", (x, -2))  # [..., 1, K]
+            products = graph.call_function(torch.mul, (column, weight))  # [..., N, K]
+            out = graph.call_method("sum", (products, -1))  # [..., N]
+            if bias is not None:
+                out = graph.call_function(torch.add, (out, bias))
+        out.meta["example_value"] = node.meta.get("example_value")
         node.replace_all_uses_with(out)
         graph.erase_node(node)
         ONE_ROW_REWRITES["matmuls"] += 1
@@ -149,7 +146,20 @@ def compile_whole(fn: Any, compile_options: dict[str, Any]) -> Any:
     `guard_filter_fn` out of the `options` dict it is given, so the target's own options lost it at the verify's
     compile (the drafter's block pass then kept its module guards, and the cost model's cache key changed in the
     middle of a process)."""
-    return torch.compile(fn, fullgraph=True, **fresh_options(compile_options))
+    compiled = torch.compile(fn, fullgraph=True, **fresh_options(compile_options))
+    if not compile_options.get("options", {}).get("freezing"):
+        return compiled
+
+    from torch._inductor import config as inductor_config
+
+    def frozen(*args: Any) -> Any:
+        # dynamo reads inductor's global `freezing` when it traces (it decides whether the parameters become
+        # constants of the graph); the options given to torch.compile reach inductor alone, so through them
+        # nothing was frozen or packed
+        with inductor_config.patch(freezing=True):
+            return compiled(*args)
+
+    return frozen
 
 
 def fresh_options(compile_options: dict[str, Any]) -> dict[str, Any]:
