@@ -253,7 +253,8 @@ def test_one_row_matmuls_become_reductions_of_the_matmul_s_values(dtype):
 
 def test_inductor_s_one_token_step_decodes_as_plain_decoding(models):
     """The real CPU compile (inductor's C++ kernels, frozen weights, the one-row pass), not dynamo alone: greedy and
-    seeded sampling through the compiled one-token step give plain decoding's tokens."""
+    seeded sampling through the compiled one-token step, and DFlash through the frozen verify and the compiled
+    block pass, give plain decoding's tokens."""
     from flashdraft.compiled import ONE_ROW_REWRITES
 
     model = models["llama"]
@@ -261,11 +262,15 @@ def test_inductor_s_one_token_step_decodes_as_plain_decoding(models):
     target = Target(model)
     assert compile_verify(target) is None
     before = ONE_ROW_REWRITES["matmuls"]
+    draft = DFlashDraftModel.for_target(model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1)
     with torch._inductor.config.patch(fx_graph_cache=False):  # compiled here, so the pass runs here
         for temperature in (0.0, 0.9):
             want = generate_ar(Target(model), prompt, 12, temperature=temperature, seed=3, stop_token_ids=[])
             got = generate_ar(target, prompt, 12, temperature=temperature, seed=3, stop_token_ids=[])
             assert got.new_tokens == want.new_tokens
+        # the frozen verify of several tokens and the drafter's compiled block pass
+        got = generate(target, draft.eval(), prompt, 12, stop_token_ids=[], block_size=8)
+        assert got.new_tokens == generate_ar(Target(model), prompt, 12, stop_token_ids=[]).new_tokens
     assert ONE_ROW_REWRITES["matmuls"] > before  # the one-token graph's linears and head went through it
 
 

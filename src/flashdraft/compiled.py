@@ -6,15 +6,16 @@ position inside a graph) and gives it torch.compile's options for its device:
     GPU  inductor's kernels captured as a CUDA graph per shape and replayed (`mode="reduce-overhead"`, spelled as
          its inductor option `triton.cudagraphs` so that the module guards can be skipped as on a CPU: on an H100 a
          compiled step's dynamo cache lookup took 243 us, a tenth of a 2.5 ms verify).
-    CPU  inductor's C++ kernels with the weights frozen into the graph (`freezing`: constant-folded, prepacked),
-         and dynamo's guards on the model's modules skipped (`skip_guard_on_all_nn_modules_unsafe`: the target is
-         frozen, and checking its ~2,000 module guards cost 1.5 ms a step). Measured on a 2-core EPYC, SmolLM2-135M
-         int8, the forward of one token after 256 (benchmarks/README.md): eager 14.3 ms; compiled with inductor's
-         defaults 15.4 (SDPA's CPU kernel inside the graph), with attention.py's attention 11.0, without the module
-         guards 9.3, frozen 8.8. `max_autotune` (inductor's C++ GEMM templates tried against ATen per shape) took
-         it to 8.3 but costs minutes per shape, so it is left to `$FLASHDRAFT_COMPILE`. A one-row step's matmuls
-         become reductions inductor writes itself (`rewrite_one_row_matmuls`): the BLAS reads a decode step's weights at
-         well under the memory bandwidth (fp32, avx2 EPYC: one token 49 ms through `mm`, 30 ms so).
+    CPU  inductor's C++ kernels with the weights frozen into the graph (`freezing`: constants, linears packed for
+         oneDNN's GEMM), and dynamo's guards on the model's modules skipped (`skip_guard_on_all_nn_modules_unsafe`:
+         the target is frozen, and checking its ~2,000 module guards cost 1.5 ms a step); a one-row step's fp32
+         linears become reductions inductor writes itself (`rewrite_one_row_matmuls`). `freezing` must also be set
+         while dynamo traces (`compile_whole`): given through torch.compile's options alone it froze nothing (the
+         engine's graphs ran unfrozen until 2026-11-26). On a 2-core AMD EPYC (avx2), SmolLM2-135M fp32, 256
+         tokens of context: one token 49 ms through ATen's `mm`, 30 ms with the reductions; 16 tokens 137 ms
+         unfrozen, 100 ms packed (benchmarks/README.md). `max_autotune` (inductor's C++ GEMM templates tried per
+         shape) costs minutes per shape, so it is left to `$FLASHDRAFT_COMPILE`. Frozen, the packed weights are
+         held beside the model's own (the eager prefill reads those): up to twice the weights' memory.
 
 The sizes that vary (rows, verify length, capacity) are symbolic from the first compile (`kv_cache.symbolic_sizes`),
 so a prompt of another length or a row joining mid-answer costs no compile; on a GPU each new concrete size records
@@ -52,7 +53,7 @@ def compile_verify(target: Any) -> str | None:
 def compile_options(device: torch.device, training: bool = False) -> dict[str, Any]:
     """torch.compile's keywords: `$FLASHDRAFT_COMPILE` (a JSON object, e.g. {"backend": "cudagraphs"} to capture
     graphs without inductor's code generation), else for decoding CUDA graphs of inductor's kernels on a GPU and
-    frozen, autotuned C++ kernels on a CPU (the module docstring); for `training`, inductor's defaults (shapes
+    frozen C++ kernels on a CPU (the module docstring); for `training`, inductor's defaults (shapes
     change with every micro-batch and weights with every step: no graphs, nothing frozen)."""
     import json
     import os
@@ -141,13 +142,13 @@ def rewrite_one_row_matmuls(graph: torch.fx.Graph) -> None:
         ONE_ROW_REWRITES["matmuls"] += 1
 
 
-def compile_whole(fn: Any, compile_options: dict[str, Any]) -> Any:
+def compile_whole(fn: Any, compile_options: dict[str, Any], freeze: bool = True) -> Any:
     """`torch.compile(fn, fullgraph=True, **compile_options)` on a copy of the options: torch.compile pops
     `guard_filter_fn` out of the `options` dict it is given, so the target's own options lost it at the verify's
     compile (the drafter's block pass then kept its module guards, and the cost model's cache key changed in the
-    middle of a process)."""
+    middle of a process). With `freezing` in the options (and `freeze`), the parameters are frozen for real."""
     compiled = torch.compile(fn, fullgraph=True, **fresh_options(compile_options))
-    if not compile_options.get("options", {}).get("freezing"):
+    if not (freeze and compile_options.get("options", {}).get("freezing")):
         return compiled
 
     from torch._inductor import config as inductor_config
@@ -251,7 +252,9 @@ def draft_block_pass(draft: Any, target: Any) -> Any:
     key = options_key(target.compile_options)
     if key in passes:
         return passes[key]
-    compiled = compile_whole(draft.block_pass, target.compile_options)
+    # Not frozen: inductor (torch 2.13) fails to generate the frozen block pass over its symbolic sizes
+    # ("For s32 + 16, expected [s32] to have been codegen-ed"); its parameters stay inputs, as before.
+    compiled = compile_whole(draft.block_pass, target.compile_options, freeze=False)
 
     def run(x, cos, sin, keys, values, masks, block_len) -> torch.Tensor:
         # made this step (the context's K/V are marked where DraftContextCache makes them)
