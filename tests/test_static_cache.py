@@ -251,13 +251,13 @@ def test_one_row_matmuls_become_reductions_of_the_matmul_s_values(dtype):
             torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 
-def test_inductor_s_one_token_step_decodes_as_plain_decoding(models):
+def test_inductor_s_one_token_step_decodes_as_plain_decoding():
     """The real CPU compile (inductor's C++ kernels, frozen weights, the one-row pass), not dynamo alone: greedy and
     seeded sampling through the compiled one-token step, and DFlash through the frozen verify and the compiled
     block pass, give plain decoding's tokens."""
     from flashdraft.compiled import ONE_ROW_REWRITES
 
-    model = models["llama"]
+    model = tiny_model("llama", max_position_embeddings=1024)  # room for two capacities
     prompt = list(range(5, 30))
     target = Target(model)
     assert compile_verify(target) is None
@@ -268,9 +268,11 @@ def test_inductor_s_one_token_step_decodes_as_plain_decoding(models):
             want = generate_ar(Target(model), prompt, 12, temperature=temperature, seed=3, stop_token_ids=[])
             got = generate_ar(target, prompt, 12, temperature=temperature, seed=3, stop_token_ids=[])
             assert got.new_tokens == want.new_tokens
-        # the frozen verify of several tokens and the drafter's compiled block pass
-        got = generate(target, draft.eval(), prompt, 12, stop_token_ids=[], block_size=8)
-        assert got.new_tokens == generate_ar(Target(model), prompt, 12, stop_token_ids=[]).new_tokens
+        # the frozen verify of several tokens and the drafter's compiled block pass, at two capacities (the
+        # cache's buffers are inputs of the frozen graphs, not constants)
+        for ids in (prompt, [5 + i % 80 for i in range(300)]):
+            got = generate(target, draft.eval(), ids, 12, stop_token_ids=[], block_size=8)
+            assert got.new_tokens == generate_ar(Target(model), ids, 12, stop_token_ids=[]).new_tokens
     assert ONE_ROW_REWRITES["matmuls"] > before  # the one-token graph's linears and head went through it
 
 

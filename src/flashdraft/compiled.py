@@ -252,9 +252,7 @@ def draft_block_pass(draft: Any, target: Any) -> Any:
     key = options_key(target.compile_options)
     if key in passes:
         return passes[key]
-    # Not frozen: inductor (torch 2.13) fails to generate the frozen block pass over its symbolic sizes
-    # ("For s32 + 16, expected [s32] to have been codegen-ed"); its parameters stay inputs, as before.
-    compiled = compile_whole(draft.block_pass, target.compile_options, freeze=False)
+    compiled = compile_whole(draft.block_pass, target.compile_options)
 
     def run(x, cos, sin, keys, values, masks, block_len) -> torch.Tensor:
         # made this step (the context's K/V are marked where DraftContextCache makes them)

@@ -96,10 +96,18 @@ def symbolic_sizes(t: torch.Tensor | None, *dims: int) -> None:
 
 def _static_buffer(like: torch.Tensor, capacity: int, mark_static: bool) -> torch.Tensor:
     buf = like.new_zeros(like.shape[0], like.shape[1], capacity, like.shape[3])
-    if mark_static:  # compiled: a fixed address (CUDA graphs), symbolic rows and capacity
-        torch._dynamo.mark_static_address(buf)
+    if mark_static:  # compiled: symbolic rows and capacity, and a fixed address for CUDA graphs
+        fixed_address(buf)
         symbolic_sizes(buf, 0, 2)
     return buf
+
+
+def fixed_address(buf: torch.Tensor) -> None:
+    """Tag a cache buffer as one address that CUDA graphs replay on. Only on a GPU: on a CPU inductor freezes the
+    graph's parameters, and dynamo freezes tensors tagged so with them, a cache's capacity included (a later
+    capacity then failed a frozen size: "expected size 768==256")."""
+    if buf.device.type == "cuda":
+        torch._dynamo.mark_static_address(buf)
 
 
 def kv_buffer_class() -> type:
@@ -308,7 +316,7 @@ class DraftContextCache:
         if (
             self.mark_static and self.capacity is not None
         ):  # as the target's static buffers (`_static_buffer`)
-            torch._dynamo.mark_static_address(buf)
+            fixed_address(buf)
             symbolic_sizes(buf, 0, 2)
         return buf
 
