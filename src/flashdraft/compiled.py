@@ -142,13 +142,13 @@ def rewrite_one_row_matmuls(graph: torch.fx.Graph) -> None:
         ONE_ROW_REWRITES["matmuls"] += 1
 
 
-def compile_whole(fn: Any, compile_options: dict[str, Any], freeze: bool = True) -> Any:
+def compile_whole(fn: Any, compile_options: dict[str, Any]) -> Any:
     """`torch.compile(fn, fullgraph=True, **compile_options)` on a copy of the options: torch.compile pops
     `guard_filter_fn` out of the `options` dict it is given, so the target's own options lost it at the verify's
     compile (the drafter's block pass then kept its module guards, and the cost model's cache key changed in the
-    middle of a process). With `freezing` in the options (and `freeze`), the parameters are frozen for real."""
+    middle of a process). With `freezing` in the options, the parameters are frozen for real."""
     compiled = torch.compile(fn, fullgraph=True, **fresh_options(compile_options))
-    if not (freeze and compile_options.get("options", {}).get("freezing")):
+    if not compile_options.get("options", {}).get("freezing"):
         return compiled
 
     from torch._inductor import config as inductor_config
