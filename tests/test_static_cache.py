@@ -220,14 +220,21 @@ def test_compiling_leaves_the_target_s_options_whole():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_row_matmuls_become_reductions_of_the_matmul_s_values(dtype):
-    """The CPU options' inductor pass: the fp32 linears of a one-row step (its layers, the LM head) become
-    reductions that stream each weight once; several rows, and bf16, stay with the packed GEMM. The values are the
-    linear's, within the rounding of another summation order."""
+def test_cpu_linears_are_frozen_into_inductor_s_gemm_template_with_the_linear_s_values(dtype):
+    """The CPU options: the weights frozen (constants, packed) and each linear autotuned between inductor's C++
+    GEMM template and ATen. The template forced (autotuning chooses by timing, which a test cannot assert), the
+    fp32 linears of one row and of several run through it; bf16 compiles too (where the CPU has no bf16 template,
+    through ATen). The values are the linear's, within the rounding of another summation order."""
     from torch._dynamo.utils import counters
 
-    from flashdraft.compiled import ONE_ROW_REWRITES, compile_options, compile_whole
+    from flashdraft.compiled import compile_options, compile_whole
 
+    options = compile_options(torch.device("cpu"))
+    assert (
+        options["options"]["max_autotune_gemm"] and "CPP" in options["options"]["max_autotune_gemm_backends"]
+    )
+    if dtype == torch.float32:
+        options["options"]["max_autotune_gemm_backends"] = "CPP"
     torch.manual_seed(0)
     up = torch.nn.Linear(48, 80).to(dtype).eval()
     head = torch.nn.Linear(80, 300, bias=False).to(dtype).eval()
@@ -235,35 +242,66 @@ def test_one_row_matmuls_become_reductions_of_the_matmul_s_values(dtype):
         for rows in (1, 3):
             torch._dynamo.reset()
             counters.clear()
-            step = compile_whole(
-                lambda x: head(torch.relu(up(x))).float(), compile_options(torch.device("cpu"))
-            )
+            step = compile_whole(lambda x: head(torch.relu(up(x))).float(), options)
             x = torch.randn(rows, 1, 48, dtype=dtype)
-            before = ONE_ROW_REWRITES["matmuls"]
             got = step(x)
-            rewritten = 2 if rows == 1 and dtype == torch.float32 else 0
-            assert ONE_ROW_REWRITES["matmuls"] - before == rewritten
-            if rows > 1 and dtype == torch.float32:  # frozen for real: the weights are constants, packed
+            if dtype == torch.float32:  # frozen for real (the weights are constants, packed) and templated
                 assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == 2
+                assert counters["inductor"]["cpp_templated_kernel_counter"] == 2
             hidden = torch.nn.functional.linear(x.float(), up.weight.float(), up.bias.float())
             want = torch.nn.functional.linear(torch.relu(hidden.to(dtype)).float(), head.weight.float())
             tolerance = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 
+def test_the_compiled_draft_head_gives_the_eager_head_s_logits_for_any_number_of_rows():
+    """The drafter's LM head, compiled as the verify is (frozen, through the GEMM template), is `draft_logits`:
+    the drafter's output multiplier and soft-capping included, one graph for every number of rows."""
+    from types import SimpleNamespace
+
+    from torch._dynamo.utils import counters
+
+    from flashdraft.compiled import compile_options, draft_head
+    from flashdraft.model import draft_logits
+
+    torch.manual_seed(0)
+    options = compile_options(torch.device("cpu"))
+    options["options"]["max_autotune_gemm_backends"] = "CPP"  # the template, not a timing's choice
+    target = SimpleNamespace(compile_options=options, model=torch.nn.Module())
+    config = SimpleNamespace(output_multiplier=0.5, final_logit_softcapping=3.0)
+    weight, bias = torch.randn(300, 48), torch.randn(300)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+        head = draft_head(config, weight, bias, target)
+        assert draft_head(config, weight, bias, target) is head  # made once per target, precision and scaling
+        for rows in (15, 7, 30):
+            hidden = torch.randn(rows, 48)
+            want = draft_logits(config, hidden, weight, bias)
+            torch.testing.assert_close(head(hidden), want, rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["inductor"]["cpp_templated_kernel_counter"] == 1
+    assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == 1  # frozen: a constant, packed
+    target.compile_options = None
+    assert draft_head(config, weight, bias, target) is None  # an eager verify: the eager head
+
+
 def test_inductor_s_one_token_step_decodes_as_plain_decoding():
-    """The real CPU compile (inductor's C++ kernels, frozen weights, the one-row pass), not dynamo alone: greedy and
-    seeded sampling through the compiled one-token step, and DFlash through the frozen verify and the compiled
-    block pass, give plain decoding's tokens."""
-    from flashdraft.compiled import ONE_ROW_REWRITES
+    """The real CPU compile (inductor's C++ kernels, frozen weights, its GEMM template), not dynamo alone: greedy
+    and seeded sampling through the compiled one-token step, and DFlash through the frozen verify, the compiled
+    block pass and the compiled draft head, give plain decoding's tokens."""
+    from torch._dynamo.utils import counters
 
     model = tiny_model("llama", max_position_embeddings=1024)  # room for two capacities
     prompt = list(range(5, 30))
     target = Target(model)
     assert compile_verify(target) is None
-    before = ONE_ROW_REWRITES["matmuls"]
+    target.compile_options["options"]["max_autotune_gemm_backends"] = (
+        "CPP"  # the template, not a timing's choice
+    )
+    counters.clear()
     draft = DFlashDraftModel.for_target(model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1)
-    with torch._inductor.config.patch(fx_graph_cache=False):  # compiled here, so the pass runs here
+    with torch._inductor.config.patch(fx_graph_cache=False):  # compiled here, so the counters see it
         for temperature in (0.0, 0.9):
             want = generate_ar(Target(model), prompt, 12, temperature=temperature, seed=3, stop_token_ids=[])
             got = generate_ar(target, prompt, 12, temperature=temperature, seed=3, stop_token_ids=[])
@@ -273,7 +311,12 @@ def test_inductor_s_one_token_step_decodes_as_plain_decoding():
         for ids in (prompt, [5 + i % 80 for i in range(300)]):
             got = generate(target, draft.eval(), ids, 12, stop_token_ids=[], block_size=8)
             assert got.new_tokens == generate_ar(Target(model), ids, 12, stop_token_ids=[]).new_tokens
-    assert ONE_ROW_REWRITES["matmuls"] > before  # the one-token graph's linears and head went through it
+    # the one-token and the several-token verify (7 linears a layer and the LM head) and the block pass, templated
+    assert (
+        counters["inductor"]["cpp_templated_kernel_counter"]
+        >= 2 * (7 * model.config.num_hidden_layers + 1) + 8
+    )
+    assert len(model._flashdraft_draft_heads) == 1  # the draft head the engine compiled beside them
 
 
 @pytest.mark.parametrize("compiled", [False, True])

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .compiled import draft_block_pass
+from .compiled import draft_block_pass, draft_head
 from .costs import CostModel
 from .grammar import steer_drafts
 from .kv_cache import CAPACITY_STEP, uses_static_cache
@@ -114,6 +114,12 @@ class BatchedDFlashProposer(BatchProposer):
         # Beside a static target cache the draft context is static too, and its block pass compiled with the verify.
         self.static = uses_static_cache(target)
         self.block_pass = draft_block_pass(self.draft, target) if self.static else None
+        head = (
+            draft_head(self.draft.config, single.head_weight, single.head_bias, target)
+            if self.static
+            else None
+        )
+        self.head_logits = head or single.head_logits
         self.cache = self._new_cache()
         self.absorbed: list[int] = []  # context tokens of each row already in the draft cache
         self.pending: list[torch.Tensor | None] = []  # [k, F] features not yet projected, per row
@@ -247,7 +253,7 @@ class BatchedDFlashProposer(BatchProposer):
         self.pending = [None] * b
         self._compact()
         # Slot k predicts the token at anchor + k; slot 0's output is unused.
-        logits = self.single.head_logits(hidden[:, 1:].reshape(b * (block - 1), -1)).view(b, block - 1, -1)
+        logits = self.head_logits(hidden[:, 1:].reshape(b * (block - 1), -1)).view(b, block - 1, -1)
         tokens, confidence = self.draft.propose_tokens(hidden[:, 1:], logits, anchors)
         if self.tree is not None:
             self._candidates = slot_candidates(logits, tokens, confidence, TREE_WIDTH)

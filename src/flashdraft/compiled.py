@@ -6,16 +6,19 @@ position inside a graph) and gives it torch.compile's options for its device:
     GPU  inductor's kernels captured as a CUDA graph per shape and replayed (`mode="reduce-overhead"`, spelled as
          its inductor option `triton.cudagraphs` so that the module guards can be skipped as on a CPU: on an H100 a
          compiled step's dynamo cache lookup took 243 us, a tenth of a 2.5 ms verify).
-    CPU  inductor's C++ kernels with the weights frozen into the graph (`freezing`: constants, linears packed for
-         oneDNN's GEMM), and dynamo's guards on the model's modules skipped (`skip_guard_on_all_nn_modules_unsafe`:
-         the target is frozen, and checking its ~2,000 module guards cost 1.5 ms a step); a one-row step's fp32
-         linears become reductions inductor writes itself (`rewrite_one_row_matmuls`). `freezing` must also be set
-         while dynamo traces (`compile_whole`): given through torch.compile's options alone it froze nothing (the
-         engine's graphs ran unfrozen until 2026-11-26). On a 2-core AMD EPYC (avx2), SmolLM2-135M fp32, 256
-         tokens of context: one token 49 ms through ATen's `mm`, 30 ms with the reductions; 16 tokens 137 ms
-         unfrozen, 100 ms packed (benchmarks/README.md). `max_autotune` (inductor's C++ GEMM templates tried per
-         shape) costs minutes per shape, so it is left to `$FLASHDRAFT_COMPILE`. Frozen, the packed weights are
-         held beside the model's own (the eager prefill reads those): up to twice the weights' memory.
+    CPU  inductor's C++ kernels with the weights frozen into the graph (`freezing`: constants, prepacked), every
+         linear through inductor's own C++ GEMM template (`max_autotune_gemm` with the `CPP` backend, ATen's GEMM
+         its alternative: bf16 on a CPU without bf16 instructions has no template and takes ATen's), and dynamo's
+         guards on the model's modules skipped (`skip_guard_on_all_nn_modules_unsafe`: the target is frozen, and
+         checking its ~2,000 module guards cost 1.5 ms a step). `freezing` must also be set while dynamo traces
+         (`compile_whole`): given through torch.compile's options alone it froze nothing (the engine's graphs ran
+         unfrozen until 2026-11-26). Decode's linears have 1 to 16 rows per verify row, where the BLAS GEMMs run
+         far from the memory bandwidth; the template runs near it. On a 2-core AMD EPYC (avx2), the fp32 LM head of
+         SmolLM2 (49152 x 576) over 15 rows took 25 ms through MKL, 25 ms packed by oneDNN and 8 ms through the
+         template (4 ms over 1 to 4 rows: 29 GB/s); the verify of 4 / 16 tokens after 256 went from 57 / 92 ms
+         (oneDNN packed) to 36 / 75 ms in one process (benchmarks/README.md). The autotuning of each GEMM shape
+         (template against ATen) costs about 20 s at the first compile and is cached on disk. Frozen, the packed
+         weights are held beside the model's own (the eager prefill reads those): up to twice the weights' memory.
 
 The sizes that vary (rows, verify length, capacity) are symbolic from the first compile (`kv_cache.symbolic_sizes`),
 so a prompt of another length or a row joining mid-answer costs no compile; on a GPU each new concrete size records
@@ -27,6 +30,7 @@ keywords) replaces the options on either device.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -79,67 +83,13 @@ def compile_options(device: torch.device, training: bool = False) -> dict[str, A
         "options": {
             "freezing": True,
             "guard_filter_fn": skip_module_guards,
-            "pre_grad_custom_pass": one_row_matmuls(),
+            "max_autotune_gemm": True,
+            "max_autotune_gemm_backends": "CPP,ATEN",
+            # the autotuning's tables of choices on stderr, at every compile: not for a user's terminal
+            "autotune_num_choices_displayed": 0,
+            "max_autotune_report_choices_stats": False,
         }
     }
-
-
-def one_row_matmuls() -> Any:
-    """The inductor pass the CPU options carry (`rewrite_one_row_matmuls`), made on first use: importing inductor
-    takes seconds, which a start that compiles nothing should not pay."""
-    global _ONE_ROW_PASS
-    if _ONE_ROW_PASS is None:
-        from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-
-        class OneRowMatmuls(CustomGraphPass):
-            def __call__(self, graph: torch.fx.Graph) -> None:
-                rewrite_one_row_matmuls(graph)
-
-            def uuid(self) -> Any:  # inductor's on-disk cache keys graphs on it
-                return get_hash_for_files((__file__,))
-
-        _ONE_ROW_PASS = OneRowMatmuls()
-    return _ONE_ROW_PASS
-
-
-_ONE_ROW_PASS: Any = None
-ONE_ROW_REWRITES = {"matmuls": 0}  # how many matmuls the pass rewrote in this process (the tests read it)
-
-
-def rewrite_one_row_matmuls(graph: torch.fx.Graph) -> None:
-    """A linear of one row (every linear of a one-token step, and its LM head) becomes a multiply and a sum over
-    the inner dimension, which inductor writes as one vectorized reduction that streams the weight once. A decode
-    step's matmuls are bound by reading the weights, and a BLAS reads them well below the memory bandwidth: on a
-    2-core AMD EPYC (avx2), 100 fp32 weights of 1536 x 576 took 29 ms through ATen's `mm` (12 GB/s), 21 ms
-    through MKL's packed GEMM and 12 ms as reductions (29 GB/s, a plain sum's rate over memory). At 4 to 16 rows
-    the packed GEMM wins (oneDNN's: 28-39 ms), so only rows that are the constant 1 are rewritten (a row count
-    marked symbolic never is), and only in fp32 (in bf16 the cast weight would be folded into an fp32 copy).
-    It runs before inductor freezes the graph, so the weights it reads are the frozen ones, not packed copies."""
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not torch._C._nn.linear:
-            continue
-        x, weight = node.args[0], node.args[1]
-        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-        row, w = (getattr(arg, "meta", {}).get("example_value") for arg in (x, weight))
-        if not (
-            isinstance(row, torch.Tensor)
-            and isinstance(w, torch.Tensor)
-            and row.device.type == "cpu"
-            and row.dtype == w.dtype == torch.float32
-            and all(type(size) is int for size in row.shape[:-1])
-            and row.shape[:-1].numel() == 1
-        ):
-            continue
-        with graph.inserting_before(node):
-            column = graph.call_method("unsqueeze", (x, -2))  # [..., 1, K]
-            products = graph.call_function(torch.mul, (column, weight))  # [..., N, K]
-            out = graph.call_method("sum", (products, -1))  # [..., N]
-            if bias is not None:
-                out = graph.call_function(torch.add, (out, bias))
-        out.meta["example_value"] = node.meta.get("example_value")
-        node.replace_all_uses_with(out)
-        graph.erase_node(node)
-        ONE_ROW_REWRITES["matmuls"] += 1
 
 
 def compile_whole(fn: Any, compile_options: dict[str, Any]) -> Any:
@@ -147,6 +97,8 @@ def compile_whole(fn: Any, compile_options: dict[str, Any]) -> Any:
     `guard_filter_fn` out of the `options` dict it is given, so the target's own options lost it at the verify's
     compile (the drafter's block pass then kept its module guards, and the cost model's cache key changed in the
     middle of a process). With `freezing` in the options, the parameters are frozen for real."""
+    # inductor's autotuning reads tensor storages through an API torch deprecates: its warning is not the user's
+    warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
     compiled = torch.compile(fn, fullgraph=True, **fresh_options(compile_options))
     if not compile_options.get("options", {}).get("freezing"):
         return compiled
@@ -264,6 +216,36 @@ def draft_block_pass(draft: Any, target: Any) -> Any:
         return _run_compiled(compiled, "the drafter's block pass", *args).clone()
 
     passes[key] = run
+    return run
+
+
+def draft_head(config: Any, weight: torch.Tensor, bias: torch.Tensor | None, target: Any) -> Any:
+    """The drafter's LM head (`model.draft_logits` over [rows, H] states) compiled as the target's verify is, made
+    once per target, head precision and drafter scaling; None when the verify is eager. Eager, this head was most of
+    a CPU draft pass: 25 of 34 ms for SmolLM2's 15 slots through MKL on a 2-core AMD EPYC, 8 ms through inductor's
+    GEMM template (the module docstring)."""
+    if target.compile_options is None:
+        return None
+    from .model import draft_logits
+
+    scaling = (config.output_multiplier, config.final_logit_softcapping)
+    key = (options_key(target.compile_options), weight.dtype, scaling)
+    heads = target.model.__dict__.setdefault("_flashdraft_draft_heads", {})
+    if key in heads:
+        return heads[key]
+    head = torch.nn.Module()  # the weights as a module's parameters: constants of the frozen graph
+    head.weight = torch.nn.Parameter(weight, requires_grad=False)
+    head.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+    compiled = compile_whole(
+        lambda hidden: draft_logits(config, hidden, head.weight, head.bias), target.compile_options
+    )
+
+    def run(hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden.contiguous()
+        symbolic_sizes(hidden, 0)  # rows x slots
+        return _run_compiled(compiled, "the drafter's LM head", hidden).clone()
+
+    heads[key] = run
     return run
 
 
