@@ -195,9 +195,9 @@ def test_dflash_generate_is_the_same_compiled(models):
     assert compile_verify(target) is None  # on a CPU: inductor's C++ kernels, weights frozen
     assert target.compile_options["options"]["freezing"] is True
     # the cost model's cache key names the options the same in every process (no function address in it)
-    assert "skip_guard_on_all_nn_modules_unsafe" in json.dumps(
+    assert "module_identity_guards" in json.dumps(cost_key(target, draft)) and "0x" not in json.dumps(
         cost_key(target, draft)
-    ) and "0x" not in json.dumps(cost_key(target, draft))
+    )
     target.compile_options = EAGER_GRAPH
     for block_size in ("auto", 8):
         out = generate(target, draft, prompt, max_new_tokens=40, stop_token_ids=[], block_size=block_size)
@@ -252,6 +252,26 @@ def test_cpu_linears_are_frozen_into_inductor_s_gemm_template_with_the_linear_s_
             want = torch.nn.functional.linear(torch.relu(hidden.to(dtype)).float(), head.weight.float())
             tolerance = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
+def test_two_frozen_models_of_the_same_shapes_each_run_their_own_weights():
+    """Frozen graphs hold a model's weights as constants and dynamo keeps graphs per code object: the CPU options'
+    guards must tell two models apart, or the second runs the first one's weights (it did, with PyTorch's
+    `skip_guard_on_all_nn_modules_unsafe`)."""
+    from flashdraft.compiled import compile_options, compile_whole
+
+    torch.manual_seed(0)
+    first, second = (
+        torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)) for _ in "ab"
+    )
+    x = torch.randn(3, 16)
+    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+        torch._dynamo.reset()
+        steps = [
+            compile_whole(lambda x, m=m: m(x), compile_options(torch.device("cpu"))) for m in (first, second)
+        ]
+        for step, model in zip(steps, (first, second), strict=True):
+            torch.testing.assert_close(step(x), model(x), rtol=1e-5, atol=1e-5)
 
 
 def test_the_compiled_draft_head_gives_the_eager_head_s_logits_for_any_number_of_rows():

@@ -9,8 +9,8 @@ position inside a graph) and gives it torch.compile's options for its device:
     CPU  inductor's C++ kernels with the weights frozen into the graph (`freezing`: constants, prepacked), every
          linear through inductor's own C++ GEMM template (`max_autotune_gemm` with the `CPP` backend, ATen's GEMM
          its alternative: bf16 on a CPU without bf16 instructions has no template and takes ATen's), and dynamo's
-         guards on the model's modules skipped (`skip_guard_on_all_nn_modules_unsafe`: the target is frozen, and
-         checking its ~2,000 module guards cost 1.5 ms a step). `freezing` must also be set while dynamo traces
+         guards on the model's modules skipped but their identity (`module_identity_guards`: the target is frozen,
+         and checking its ~2,000 module guards cost 1.5 ms a step). `freezing` must also be set while dynamo traces
          (`compile_whole`): given through torch.compile's options alone it froze nothing (the engine's graphs ran
          unfrozen until 2026-11-26). Decode's linears have 1 to 16 rows per verify row, where the BLAS GEMMs run
          far from the memory bandwidth; the template runs near it. On a 2-core AMD EPYC (avx2), the fp32 LM head of
@@ -75,7 +75,7 @@ def compile_options(device: torch.device, training: bool = False) -> dict[str, A
         return {k: v for k, v in options.items() if k != "mode"} if training else options
     if training:
         return {}
-    skip_module_guards = torch.compiler.skip_guard_on_all_nn_modules_unsafe  # the models are frozen
+    skip_module_guards = module_identity_guards  # the models are frozen
     # mode="reduce-overhead" is {"triton.cudagraphs": True}, and a mode takes no other option
     if device.type == "cuda":
         return {"options": {"triton.cudagraphs": True, "guard_filter_fn": skip_module_guards}}
@@ -90,6 +90,18 @@ def compile_options(device: torch.device, training: bool = False) -> dict[str, A
             "max_autotune_report_choices_stats": False,
         }
     }
+
+
+def module_identity_guards(guard_entries: Sequence[Any]) -> list[bool]:
+    """dynamo's `guard_filter_fn` for frozen models: the guards on their modules' state are dropped (PyTorch's
+    `skip_guard_on_all_nn_modules_unsafe`), but not those on which module it is (`ID_MATCH`, a pointer compare each).
+    Dynamo keeps compiled graphs per code object, and every model goes through the same code (the verify, the block
+    pass, the head): with no guard on the module, a second model of the same shapes in the process ran the first
+    one's graph, whose frozen constants are the first model's weights (found 2026-11-26; a test builds two)."""
+    return [
+        entry.guard_type == "ID_MATCH" or not entry.orig_guard.source.is_unspecialized_nn_module()
+        for entry in guard_entries
+    ]
 
 
 def compile_whole(fn: Any, compile_options: dict[str, Any]) -> Any:
