@@ -423,7 +423,8 @@ def test_cli_generate_with_a_schema_equals_plain_and_a_bad_regex_is_one_line(tar
     check_matches("json_schema", report["text"], report["dflash"]["stop_reason"])
     result = CliRunner().invoke(app, [*base, "--regex", "a(", PROMPT])
     assert result.exit_code == 2
-    lines = result.output.strip().splitlines()
+    # the one line of the error, beside the warning a busy machine adds (the load of whatever runs beside the test)
+    lines = [line for line in result.output.strip().splitlines() if "the machine is busy" not in line]
     assert len(lines) == 1 and lines[0].startswith("error: invalid regex"), result.output
 
 
