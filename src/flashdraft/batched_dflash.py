@@ -114,12 +114,11 @@ class BatchedDFlashProposer(BatchProposer):
         # Beside a static target cache the draft context is static too, and its block pass compiled with the verify.
         self.static = uses_static_cache(target)
         self.block_pass = draft_block_pass(self.draft, target) if self.static else None
-        head = (
-            draft_head(self.draft.config, single.head_weight, single.head_bias, target)
-            if self.static
-            else None
+        # the drafter's LM head compiled beside a compiled verify (None: eager or dynamic), else the eager one
+        compiled_head = self.static and draft_head(
+            self.draft.config, single.head_weight, single.head_bias, target
         )
-        self.head_logits = head or single.head_logits
+        self.head_logits = compiled_head or single.head_logits
         self.cache = self._new_cache()
         self.absorbed: list[int] = []  # context tokens of each row already in the draft cache
         self.pending: list[torch.Tensor | None] = []  # [k, F] features not yet projected, per row

@@ -75,14 +75,13 @@ def compile_options(device: torch.device, training: bool = False) -> dict[str, A
         return {k: v for k, v in options.items() if k != "mode"} if training else options
     if training:
         return {}
-    skip_module_guards = module_identity_guards  # the models are frozen
     # mode="reduce-overhead" is {"triton.cudagraphs": True}, and a mode takes no other option
     if device.type == "cuda":
-        return {"options": {"triton.cudagraphs": True, "guard_filter_fn": skip_module_guards}}
+        return {"options": {"triton.cudagraphs": True, "guard_filter_fn": module_identity_guards}}
     return {
         "options": {
             "freezing": True,
-            "guard_filter_fn": skip_module_guards,
+            "guard_filter_fn": module_identity_guards,
             "max_autotune_gemm": True,
             "max_autotune_gemm_backends": "CPP,ATEN",
             # the autotuning's tables of choices on stderr, at every compile: not for a user's terminal
