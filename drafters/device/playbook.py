@@ -239,6 +239,9 @@ def start(seconds: float) -> None:
             return
         mark("pack")
     deadline = time.time() + seconds
+    # The previous run's mark goes before this one is launched: a `status` right after `start` must not take
+    # it for this run's end while the detached pipeline is still starting up.
+    (W / "pipeline.done").unlink(missing_ok=True)
     tree = snapshot()
     pipeline_env = {**tree_env(tree), "PLAYBOOK_REPO": str(REPO)}
     with (W / "pipeline.out").open("a") as f:
