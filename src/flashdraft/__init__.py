@@ -4,6 +4,7 @@ from .config import DFlashConfig, DFlashConfigError, build_target_layer_ids
 from .generate import GenerationError, GenerationResult, generate, generate_ar, generate_batch
 from .grammar import Constraint, GrammarError
 from .model import DFlashCheckpointError, DFlashDraftModel, DraftContextCache
+from .multimodal import ImageError, ImagePrompt, encode_image_prompt
 from .proposers import DFlashProposer, NoProposer, Proposer
 from .sampling import SamplingError, SamplingParams
 from .target import DraftTargetMismatchError, Target, TargetError, load_target
@@ -29,6 +30,9 @@ __all__ = [
     "build_target_layer_ids",
     "Constraint",
     "GrammarError",
+    "ImageError",
+    "ImagePrompt",
+    "encode_image_prompt",
     "generate",
     "generate_ar",
     "generate_batch",

@@ -185,8 +185,10 @@ class VerifyForward:
         # clone keeps a [1, n] slice's row stride, the length of what it was cut from: a guard, and a recompile).
         input_ids = input_ids.clone(memory_format=torch.contiguous_format)
         position_ids = position_ids.clone(memory_format=torch.contiguous_format)
-        for t in (input_ids, position_ids):
-            symbolic_sizes(t, 0, 1)  # rows, verify length
+        symbolic_sizes(input_ids, 0, 1)  # rows, verify length
+        symbolic_sizes(
+            position_ids, *((0, 1) if position_ids.dim() == 2 else (1, 2))
+        )  # [4, b, n]: multimodal RoPE
         symbolic_sizes(mask, 0, 2, 3)  # rows, verify length, capacity
         logits, taps = _run_compiled(
             self._fn, f"{self.target.name}'s verify", input_ids, position_ids, mask, cache

@@ -52,6 +52,7 @@ from .kv_cache import (
     static_mask,
     uses_static_cache,
 )
+from .multimodal import as_prompt, check_prompt_inputs
 from .recurrent import append_rows, has_kv, is_recurrent_layer, select_rows
 from .request import GenerationError, GenerationResult, check_request
 from .sampling import (
@@ -102,6 +103,7 @@ class BatchRow:
     started: float = 0.0  # when its prefill ended (its decode time counts from there)
     tag: Any = None  # the caller's (e.g. the server's request handle)
     grammar: RowGrammar | None = None  # structured output: the row's matcher (grammar.py)
+    rope_offset: int = 0  # multimodal RoPE: its text positions' shift after its images (Target.rope_offset)
 
     @property
     def anchor_position(self) -> int:
@@ -193,6 +195,7 @@ class BatchDecoder:
         if self.full:
             raise GenerationError(f"the batch is full ({self.max_batch_size} rows)")
         ids = check_request(self.target, input_ids, max_new_tokens)
+        inputs = check_prompt_inputs(self.target, as_prompt(input_ids)[1])  # an image prompt's pixels etc.
         grammar = None if constraint is None else RowGrammar(compile_constraint(self.target, constraint))
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())
@@ -201,7 +204,10 @@ class BatchDecoder:
         _sync(self.target.device)
         t0 = time.perf_counter()
         cache = batch_cache(self.target)
-        out = self.target.forward(ids, cache, self.proposer.tap_layer_ids, last_logits_only=True)
+        out = self.target.forward(
+            ids, cache, self.proposer.tap_layer_ids, last_logits_only=True, inputs=inputs
+        )
+        row.rope_offset = self.target.rope_offset(inputs)
         prompt_len = ids.shape[1]
         last = out.logits[:, -1:].contiguous()
         if grammar is not None and mask_logits(last, {0: []}, {0: grammar}):
@@ -364,6 +370,15 @@ class BatchDecoder:
         """The target's forward over the block [b, n] after the cache, which then holds the block's columns.
         `tree` [b, n, n] bool: which block columns each one sees (draft trees, tree.py; None: causal)."""
         n = block.shape[1]
+        if (
+            self.target.multimodal_rope
+        ):  # the model's defaults follow its last prefill: positions always given
+            offsets = (
+                torch.tensor([r.rope_offset for r in self.rows])
+                if any(r.rope_offset for r in self.rows)
+                else None
+            )
+            positions = self.target.model_positions(positions, offsets)
         if self.static:
             columns = self.valid.shape[1]
             static = reserve(self.cache, columns + n, mark_static=self.verify.compiled)
@@ -387,12 +402,13 @@ class BatchDecoder:
         mask = None
         if not bool(self.valid.all()):
             mask = torch.cat([self.valid, self.valid.new_ones(len(self.valid), n)], 1).long().to(block.device)
+        explicit = mask is not None or self.target.multimodal_rope
         return self.target.forward(
             block,
             self.cache,
             self.proposer.tap_layer_ids,
             attention_mask=mask,
-            position_ids=None if mask is None else positions,
+            position_ids=positions if explicit else None,
         )
 
     def _check_tree(self, row: BatchRow, n: int) -> None:

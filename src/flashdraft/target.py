@@ -37,12 +37,18 @@ class TargetOutput:
 
 
 def _find_decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
-    """The ModuleList holding the decoder layers (model.model.layers for most families)."""
-    candidates = [
-        (name, m)
-        for name, m in model.named_modules()
-        if isinstance(m, nn.ModuleList) and len(m) == num_layers
-    ]
+    """The ModuleList holding the decoder layers (model.model.layers for most families; in an image-text model the
+    language model's, searched first: a vision tower may have as many blocks)."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    for root in (decoder, model) if isinstance(decoder, nn.Module) else (model,):
+        candidates = [
+            (name, m)
+            for name, m in root.named_modules()
+            if isinstance(m, nn.ModuleList) and len(m) == num_layers
+        ]
+        if candidates:
+            break
     if not candidates:
         raise TargetError(f"cannot find the {num_layers} decoder layers of {type(model).__name__}")
     return min(candidates, key=lambda c: c[0].count("."))[1]
@@ -59,11 +65,16 @@ def _find_final_norm(model: nn.Module) -> nn.Module | None:
 class Target:
     """A frozen target model: `embed`, `lm_head_logits`, `forward` with layer taps, and cache rollback."""
 
-    def __init__(self, model: nn.Module, tokenizer: Any = None, name: str | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, tokenizer: Any = None, name: str | None = None, processor: Any = None
+    ) -> None:
+        """`processor` (image-text targets): the Hugging Face processor that turns images and text into the model's
+        inputs (multimodal.py); its tokenizer is the target's when `tokenizer` is None."""
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
-        self.tokenizer = tokenizer
+        self.processor = processor
+        self.tokenizer = tokenizer if tokenizer is not None else getattr(processor, "tokenizer", None)
         self.name = name or getattr(model.config, "_name_or_path", None) or type(model).__name__
         cfg = model.config
         self.config = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -90,6 +101,12 @@ class Target:
         self._cache_arg = next((a for a in ("cache", "cache_params") if a in params), None)
         if self._cache_arg == "cache_params" and "past_key_values" in params:
             self._cache_arg = None
+        # Image-text targets (multimodal.py): the model takes pixels in its prefill; multimodal RoPE (Qwen-VL, Qwen3.5,
+        # GLM-4V) is the module keeping `rope_deltas`, the shift of text positions after an image.
+        self.takes_images = "pixel_values" in params
+        self._mrope = next(
+            (m for m in model.modules() if hasattr(m, "get_rope_index") and hasattr(m, "rope_deltas")), None
+        )
         self._logits_to_keep_arg = next(
             (a for a in ("logits_to_keep", "num_logits_to_keep") if a in params), None
         )
@@ -229,6 +246,31 @@ class Target:
             for h in handles:
                 h.remove()
 
+    @property
+    def multimodal_rope(self) -> bool:
+        """Whether positions are multimodal RoPE's (an image shifts the text after it): a decode step then always
+        gets explicit positions (`model_positions`), never the model's defaults, which follow its last prefill."""
+        return self._mrope is not None
+
+    def rope_offset(self, inputs: dict[str, Any] | None) -> int:
+        """After a prefill with `inputs` (the processor's outputs besides the ids): how far this row's text
+        positions are shifted from its token indices (multimodal RoPE counts an image's tokens as fewer positions;
+        0 for other targets and for prompts without images)."""
+        if self._mrope is None or not inputs or self._mrope.rope_deltas is None:
+            return 0
+        if not any(k.endswith("grid_thw") for k in inputs):
+            return 0
+        return int(self._mrope.rope_deltas.reshape(-1)[0])
+
+    def model_positions(self, positions: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
+        """What the model is given as position ids for tokens at indices `positions` [b, n]: those indices, or with
+        multimodal RoPE the [4, b, n] form (the indices for the mask, then the three rotary components shifted by
+        each row's `offsets` [b] from `rope_offset`)."""
+        if self._mrope is None:
+            return positions
+        shifted = positions if offsets is None else positions + offsets.to(positions.device)[:, None]
+        return torch.stack([positions, shifted, shifted, shifted])
+
     def model_kwargs(
         self, cache: Any | None, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None
     ) -> dict[str, Any]:
@@ -250,14 +292,18 @@ class Target:
         last_logits_only: bool = False,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        inputs: dict[str, Any] | None = None,
     ) -> TargetOutput:
         """Run the target on `input_ids` after what `cache` holds (None: no cache, as in training); tap the
-        outputs of `tap_layer_ids`.
+        outputs of `tap_layer_ids`. `inputs`: the processor's other outputs for an image prompt (pixel values, image
+        grids, token types), given to the model with the ids (a prefill).
 
         A tap of layer i equals Hugging Face `hidden_states[i + 1]` (for the last layer that includes the final
         norm, as in HF), without materialising every layer's states.
         """
         kwargs = self.model_kwargs(cache, attention_mask, position_ids)
+        if inputs:
+            kwargs.update(inputs)
         if last_logits_only and self._logits_to_keep_arg:
             kwargs[self._logits_to_keep_arg] = 1
         record = self.recurrent is not None and cache is not None and self._has_state(cache)
@@ -535,10 +581,14 @@ def load_target(
     device: str | torch.device | None = None,
     auto_fetch: bool = True,
     quantize: str | None = None,
+    images: bool | None = None,
 ) -> Target:
     """Load a target by offline pack name (`smollm2-135m-instruct`, ...), local path or Hugging Face hub id;
-    `quantize="int8"`: its linear layers int8 weight-only, bf16 activations (CPU; quantize.py)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    `quantize="int8"`: its linear layers int8 weight-only, bf16 activations (CPU; quantize.py). `images`: load an
+    image-text checkpoint whole, with its vision tower and processor, so prompts may carry images (multimodal.py);
+    None: only where transformers has no text-only class for it (Qwen3-VL, LLaVA, Idefics3, ...), so a Qwen3.5
+    composite loads its language model alone unless images are asked for."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     from .packs import resolve_model
     from .quantize import check_quantize, quantize_int8
@@ -547,16 +597,43 @@ def load_target(
     check_quantize(quantize, parse_dtype(dtype), device)
     dtype = parse_dtype(dtype) or (torch.bfloat16 if quantize else default_dtype(device))
     path = resolve_model(name_or_path, auto_fetch=auto_fetch)
+    processor = None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        config = AutoConfig.from_pretrained(path)
+        image_text = image_text_class(config)
+        if images and image_text is None:
+            raise TargetError(f"target {name_or_path!r} is a text-only model: it cannot take images")
+        if image_text is not None and (images or not _causal_lm_class(config)):
+            from transformers import AutoProcessor
+
+            model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
+            processor = AutoProcessor.from_pretrained(path)
+            tokenizer = getattr(processor, "tokenizer", None) or AutoTokenizer.from_pretrained(path)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError) as e:
+        if isinstance(e, TargetError):
+            raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise TargetError(f"cannot load target {name_or_path!r}: {first}") from None
     model = model.to(device)
     if quantize:
         quantize_int8(model)
-    return Target(model, tokenizer, name=name_or_path)
+    return Target(model, tokenizer, name=name_or_path, processor=processor)
+
+
+def _causal_lm_class(config: Any) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return getattr(config, "model_type", None) in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def image_text_class(config: Any) -> str | None:
+    """The image-text-to-text class transformers has for this config, if any."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(getattr(config, "model_type", None))
 
 
 def choose_mask_token_id(tokenizer: Any, embedding_rows: int) -> int:

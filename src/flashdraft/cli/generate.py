@@ -132,6 +132,10 @@ def generate_command(
     grammar: Annotated[
         Path | None, typer.Option(help="structured output: a grammar file (EBNF with ::=, else Lark)")
     ] = None,
+    image: Annotated[
+        list[Path] | None,
+        typer.Option(help="an image for an image-text target (repeatable; they go before the prompt's text)"),
+    ] = None,
 ) -> None:
     """Generate an answer with DFlash speculative decoding (lossless), streaming the text."""
     import torch
@@ -139,6 +143,7 @@ def generate_command(
     from ..compiled import compile_options
     from ..generate import GenerationError, generate, generate_ar
     from ..model import DFlashDraftModel, load_drafter_config
+    from ..multimodal import ImageError, encode_image_prompt, load_image
     from ..packs import resolve_model
     from ..progress import busy_machine_warning, quiet_libraries
     from ..quantize import check_quantize
@@ -147,6 +152,7 @@ def generate_command(
         TargetError,
         check_decodable_config,
         check_drafter_fits_config,
+        image_text_class,
         load_target,
         parse_device,
         parse_dtype,
@@ -180,11 +186,16 @@ def generate_command(
         raise TargetError(f"cannot read the config of target {target!r}: {first}") from None
     check_decodable_config(target_config, target)
     check_drafter_fits_config(draft_config, target_config, target)
+    images = [load_image(p, name=str(p)) for p in image or []]  # an unreadable image is named before any load
+    if images and image_text_class(target_config) is None:
+        raise ImageError(f"target {target} is a text-only model: it cannot take images")
     if threads:
         torch.set_num_threads(threads)
 
     t0 = time.perf_counter()
-    tgt = load_target(target_path, dtype=torch_dtype, device=dev, quantize=quantize)
+    tgt = load_target(
+        target_path, dtype=torch_dtype, device=dev, quantize=quantize, images=bool(images) or None
+    )
     tgt.name = target
     if compile_verify:
         compile_or_note(tgt)
@@ -200,7 +211,12 @@ def generate_command(
         )
         if note := tree_note(tgt, nodes):
             console.print(f"[yellow]note:[/] {note}")
-    ids = tgt.encode_prompt(prompt, chat=chat, enable_thinking=thinking, system=system)
+    if images:
+        kwargs = {} if thinking is None else {"enable_thinking": thinking}
+        ids = encode_image_prompt(tgt, prompt, images, system=system, template_kwargs=kwargs)
+        text_ids = ids.input_ids
+    else:
+        ids = text_ids = tgt.encode_prompt(prompt, chat=chat, enable_thinking=thinking, system=system)
     if constraint is not None:
         from ..generate import check_constraints
 
@@ -225,9 +241,9 @@ def generate_command(
             "same dtype (still a valid greedy decoding up to rounding). float32 is token-for-token identical."
         )
     # Warm both paths up so first-call overheads do not count against either of them.
-    generate(tgt, drafter, ids[:, -8:], max_new_tokens=4, stop_token_ids=[], costs=costs, **spec)
+    generate(tgt, drafter, text_ids[:, -8:], max_new_tokens=4, stop_token_ids=[], costs=costs, **spec)
     if compare_ar:
-        generate_ar(tgt, ids[:, -8:], max_new_tokens=4, stop_token_ids=[])
+        generate_ar(tgt, text_ids[:, -8:], max_new_tokens=4, stop_token_ids=[])
 
     streamer = _Streamer(tgt.tokenizer, enabled=not as_json)
     res = generate(

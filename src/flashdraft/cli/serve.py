@@ -42,6 +42,17 @@ def serve_command(
     compile_verify: CompileOption = False,
     quantize: QuantizeOption = None,
     tree: TreeOption = "off",
+    images: Annotated[
+        bool | None,
+        typer.Option(
+            "--images/--no-images",
+            help="load an image-text target whole, so requests may carry images (default: only where the "
+            "checkpoint has no text-only class, e.g. Qwen3-VL; a Qwen3.5 composite needs --images)",
+        ),
+    ] = None,
+    allow_local_images: Annotated[
+        bool, typer.Option(help="image parts may name files on this machine (else data: URLs only)")
+    ] = False,
 ) -> None:
     """Serve the target (with DFlash when --draft is given) behind an OpenAI-compatible API: up to
     --max-batch-size requests decode together (continuous batching), the others wait in a bounded queue."""
@@ -66,7 +77,7 @@ def serve_command(
         raise GenerationError(f"--max-queue must be >= 1, got {max_queue}")
     if max_batch_size < 1:
         raise GenerationError(f"--max-batch-size must be >= 1, got {max_batch_size}")
-    tgt = load_target(target, dtype=torch_dtype, device=dev, quantize=quantize)
+    tgt = load_target(target, dtype=torch_dtype, device=dev, quantize=quantize, images=images)
     tgt.check_decodable()
     if compile_verify:
         compile_or_note(tgt)
@@ -97,5 +108,5 @@ def serve_command(
     console.print(
         f"serving {name!r} ({'DFlash ' + str(draft) if draft else 'plain decoding'}) on http://{host}:{port}/v1"
     )
-    if not run_server(engine, build_app(engine, name), host, port):
+    if not run_server(engine, build_app(engine, name, allow_local_images), host, port):
         raise typer.Exit(1)  # uvicorn has said why (e.g. the port is taken)

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 
 from ..extras import MissingExtraError
 from ..grammar import Constraint, GrammarError, compile_constraint
+from ..multimodal import ImageError, ImagePrompt, encode_image_prompt, load_image
 from ..tool_calls import (
     ToolCallParser,
     ToolError,
@@ -39,7 +40,8 @@ log = logging.getLogger(__name__)
 IGNORED_HEADER = "x-flashdraft-ignored-fields"
 
 
-def build_app(engine: Engine, model_name: str) -> FastAPI:
+def build_app(engine: Engine, model_name: str, allow_local_images: bool = False) -> FastAPI:
+    """`allow_local_images`: image parts may name files on this machine (else only data: URLs are read)."""
     app = FastAPI(title="flashdraft", docs_url=None, redoc_url=None)
     metrics = ServerMetrics(model_name)
     created = int(time.time())
@@ -89,6 +91,7 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
             except ToolError as e:
                 raise APIError(400, str(e), param=e.param) from None
             ids = chat_prompt(body.messages, tools, body.chat_template_kwargs)
+            ids = ids if isinstance(ids, list) else ids.input_ids[0].tolist()
         else:
             ids = target.encode_prompt(body.prompt or "", chat=False)[0].tolist() if body.prompt else []
         return {"count": len(ids), "max_model_len": target.max_context, "tokens": ids}
@@ -119,8 +122,11 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
 
     def chat_prompt(
         messages: list[Any], tools: list[dict[str, Any]], template_kwargs: dict[str, Any] | None
-    ) -> list[int]:
-        """Token ids of the conversation, with the tools shown as the chat template expects (tool_calls.py)."""
+    ) -> list[int] | ImagePrompt:
+        """Token ids of the conversation, with the tools shown as the chat template expects (tool_calls.py); with
+        images, the processor's `ImagePrompt` (multimodal.py)."""
+        if any(m.images for m in messages):
+            return image_prompt(messages, tools, template_kwargs)
         try:
             ids = encode_tool_prompt(
                 target, [m.for_template() for m in messages], tools, template_kwargs=template_kwargs
@@ -131,10 +137,32 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
         except TemplateError as e:  # the template's own refusal ("roles must alternate"), not a server error
             raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
 
+    def image_prompt(
+        messages: list[Any], tools: list[dict[str, Any]], template_kwargs: dict[str, Any] | None
+    ) -> ImagePrompt:
+        if not target.takes_images or target.processor is None:
+            raise APIError(
+                400,
+                f"the model {model_name!r} takes no images: its messages may not hold image_url parts",
+                param="messages",
+            )
+        sources = [source for m in messages for source in m.images]
+        kwargs = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
+        try:
+            images = [load_image(s, allow_local_images, name=f"{i + 1}") for i, s in enumerate(sources)]
+            return encode_image_prompt(
+                target, [m.for_template() for m in messages], images, template_kwargs=kwargs
+            )
+        except ImageError as e:
+            raise APIError(400, str(e), param="messages") from None
+        except TemplateError as e:
+            raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
+
     def check(
         body: ChatCompletionRequest | CompletionRequest,
         prompt_ids: list[int],
         call_constraint: Constraint | None = None,
+        prompt_inputs: dict[str, Any] | None = None,
     ) -> EngineRequest:
         ignored = body.ignored_fields()
         if ignored:
@@ -181,6 +209,7 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
             stop_strings=stop_strings,
             stop_ids=stop_ids,
             constraint=constraint,
+            prompt_inputs=prompt_inputs,
         )
 
     async def run(
@@ -191,10 +220,12 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
         final: Any,
         call_constraint: Constraint | None = None,
         parser: Any = None,
+        prompt_inputs: dict[str, Any] | None = None,
     ) -> Response:
         """Queue the request and answer it, streamed or whole. `parser`: makes a ToolCallParser when the answer may
-        hold tool calls (a stream's deltas are its; `final` parses a whole answer the same way)."""
-        request = check(body, prompt_ids, call_constraint)
+        hold tool calls (a stream's deltas are its; `final` parses a whole answer the same way). `prompt_inputs`:
+        an image prompt's pixels and grids for the prefill."""
+        request = check(body, prompt_ids, call_constraint, prompt_inputs)
         ignored = body.ignored_fields()
         headers = {IGNORED_HEADER: ",".join(ignored)} if ignored else None
         try:
@@ -233,7 +264,11 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
     async def chat(body: ChatCompletionRequest) -> Response:
         tools, choice = body.tool_plan()
         shown = tools if choice.mode != "none" else []  # tool_choice "none": the model is not shown them
-        prompt_ids = chat_prompt(body.messages, shown, body.chat_template_kwargs)
+        prompt = chat_prompt(body.messages, shown, body.chat_template_kwargs)
+        inputs = None
+        if isinstance(prompt, ImagePrompt):
+            prompt, inputs = prompt.input_ids[0].tolist(), prompt.inputs
+        prompt_ids = prompt
         names = frozenset(t["function"]["name"] for t in shown)
         parser = (lambda: ToolCallParser(names, body.parallel_tool_calls)) if shown else None
 
@@ -257,7 +292,7 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
             }  # fmt: skip
 
         constraint = tool_constraint(tools, choice, body.parallel_tool_calls)
-        return await run("chat", body, prompt_ids, chunk, final, constraint, parser)
+        return await run("chat", body, prompt_ids, chunk, final, constraint, parser, inputs)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:

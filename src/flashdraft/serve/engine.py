@@ -26,6 +26,7 @@ import torch
 from ..engine import BatchDecoder, BatchRow
 from ..generate import batch_proposer
 from ..grammar import Constraint
+from ..multimodal import ImagePrompt
 from ..request import GenerationResult
 from ..sampling import SamplingParams
 
@@ -47,6 +48,9 @@ class EngineRequest:
     stop_strings: list[str] = field(default_factory=list)
     stop_ids: list[int] = field(default_factory=list)
     constraint: Constraint | None = None  # structured output (grammar.py)
+    prompt_inputs: dict[str, Any] | None = (
+        None  # an image prompt's pixels, grids, ... for the prefill (multimodal.py)
+    )
 
 
 class RequestHandle:
@@ -275,8 +279,11 @@ class Engine:
             return stream.stopped or handle.cancelled.is_set()
 
         try:
+            prompt: Any = req.prompt_ids
+            if req.prompt_inputs:
+                prompt = ImagePrompt(torch.tensor([req.prompt_ids]), req.prompt_inputs)
             row = self.decoder.add(
-                req.prompt_ids,
+                prompt,
                 req.max_tokens,
                 SamplingParams(req.temperature, req.top_p, req.top_k),
                 stop_token_ids=[*self.target.eos_token_ids, *req.stop_ids],

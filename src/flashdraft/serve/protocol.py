@@ -180,10 +180,25 @@ def structured_outputs(value: Any) -> Constraint | None:
     return guided(given[0], value[given[0]])
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    url: str
+
+
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
+    image_url: ImageURL | str | None = (
+        None  # an image part: a data: URL (or a local file, where the server allows)
+    )
+
+    @property
+    def image_source(self) -> str:
+        url = self.image_url.url if isinstance(self.image_url, ImageURL) else self.image_url
+        if not url:
+            raise ValueError("an image_url part needs image_url.url")
+        return url
 
 
 class FunctionCall(BaseModel):
@@ -224,15 +239,31 @@ class ChatMessage(BaseModel):
 
     @field_validator("content")
     @classmethod
-    def _text(cls, value: str | list[ContentPart] | None) -> str | None:
-        """A string, or an array of content parts (OpenAI's other form): text parts are joined; anything else
-        (images, audio, files) is refused, since the target reads text only."""
+    def _text(cls, value: str | list[ContentPart] | None) -> str | list[ContentPart] | None:
+        """A string, or an array of content parts (OpenAI's other form): text parts alone are joined; with image
+        parts the array stays, for an image-text target (multimodal.py); other kinds (audio, files) are refused."""
         if isinstance(value, list):
-            other = sorted({p.type for p in value if p.type != "text"})
+            other = sorted({p.type for p in value if p.type not in ("text", "image_url")})
             if other:
-                raise ValueError(f"content parts of type {', '.join(other)} are not supported (text only)")
-            value = "".join(p.text or "" for p in value)
+                raise ValueError(
+                    f"content parts of type {', '.join(other)} are not supported (text and images)"
+                )
+            for p in value:
+                if p.type == "image_url":
+                    p.image_source  # noqa: B018 - a part without its URL is refused here
+                else:
+                    p.text = clean_text(p.text or "")
+            if all(p.type == "text" for p in value):
+                return "".join(p.text or "" for p in value)
+            return value
         return clean_text(value)
+
+    @property
+    def images(self) -> list[str]:
+        """The sources of this message's image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [p.image_source for p in self.content if p.type == "image_url"]
 
     @model_validator(mode="after")
     def _content_given(self) -> ChatMessage:
@@ -244,9 +275,15 @@ class ChatMessage(BaseModel):
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates take it (developer is system; a call's arguments an object)."""
+        content: Any = self.content
+        if isinstance(content, list):  # with images: the processors' parts, an image's place marked
+            content = [
+                {"type": "image"} if p.type == "image_url" else {"type": "text", "text": p.text or ""}
+                for p in content
+            ]
         out: dict[str, Any] = {
             "role": "system" if self.role == "developer" else self.role,
-            "content": self.content,
+            "content": content,
         }
         if self.tool_calls:
             out["tool_calls"] = [

@@ -1,0 +1,291 @@
+"""Image-text targets: image prompts decode exactly as plain decoding with the same image, for tiny random models of
+four families built here: Qwen3-VL (multimodal RoPE), a Qwen3.5 composite (multimodal RoPE + GatedDeltaNet layers),
+Gemma-3 (sliding window, bidirectional image attention) and LLaVA. Ground truth is transformers' own `generate`."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import _common, byte_tokenizer, hybrid_config, running_server
+from flashdraft import DFlashDraftModel, Target, generate, generate_ar, generate_batch
+from flashdraft.multimodal import ImageError, ImagePrompt, encode_image_prompt, load_image
+from flashdraft.target import load_target
+
+tf = pytest.importorskip("transformers")
+Image = pytest.importorskip("PIL.Image")
+
+VOCAB = 96
+N = 16  # new tokens per answer
+MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+QWEN_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+                   spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64)  # fmt: skip
+
+
+def picture(seed: int, width: int, height: int):
+    return Image.fromarray((np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8"))
+
+
+def _qwen_prompts(image_token: int, start: int, end: int):
+    """Token ids around an image's placeholders, as a Qwen processor lays them out, with its pixels and grid."""
+    processor = tf.Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2)
+
+    def make(seed: int, size: tuple[int, int], before: tuple[int, ...]) -> ImagePrompt:
+        out = processor(images=[picture(seed, *size)], return_tensors="pt")
+        count = int(out["image_grid_thw"].prod()) // 4
+        ids = torch.tensor([[1, *before, start] + [image_token] * count + [end, 7, 8, 9]])
+        inputs = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"],
+                  "mm_token_type_ids": (ids == image_token).int()}  # fmt: skip
+        return ImagePrompt(ids, inputs)
+
+    return [make(0, (64, 64), (5,)), make(1, (96, 64), (5, 6, 7)), make(2, (32, 32), (9, 9))]
+
+
+def qwen3_vl():
+    text = dict(_common(VOCAB), num_hidden_layers=4, head_dim=16, rope_parameters=MROPE)
+    config = tf.Qwen3VLConfig(
+        text_config=text, vision_config=dict(QWEN_VISION, deepstack_visual_indexes=[0]), image_token_id=90,
+        video_token_id=91, vision_start_token_id=92, vision_end_token_id=93, tie_word_embeddings=False,
+    )  # fmt: skip
+    return config, _qwen_prompts(90, 92, 93)
+
+
+def qwen3_5():
+    text = dict(hybrid_config("qwen3_5").to_dict(), rope_parameters=MROPE)
+    config = tf.Qwen3_5Config(text_config=text, vision_config=QWEN_VISION, image_token_id=90, video_token_id=91,
+                              vision_start_token_id=92, vision_end_token_id=93)  # fmt: skip
+    return config, _qwen_prompts(90, 92, 93)
+
+
+def gemma3():
+    text = tf.Gemma3TextConfig(num_hidden_layers=3, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                               **{k: v for k, v in _common(VOCAB).items() if k != "tie_word_embeddings"})  # fmt: skip
+    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                   image_size=32, patch_size=8)  # fmt: skip
+    config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=90,
+                             boi_token_index=91, eoi_token_index=92)  # fmt: skip
+
+    def make(seed: int, before: tuple[int, ...]) -> ImagePrompt:
+        ids = torch.tensor([[1, *before, 91] + [90] * 4 + [92, 7, 8]])
+        pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+        return ImagePrompt(ids, {"pixel_values": pixels, "token_type_ids": (ids == 90).long()})
+
+    return config, [make(0, (5,)), make(1, (5, 6, 7, 8, 9, 10))]  # the second reaches past the window
+
+
+def llava(vocab: int = VOCAB, image_token: int = 90):
+    common = {k: v for k, v in _common(vocab).items() if k != "tie_word_embeddings"}
+    vision = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                 image_size=32, patch_size=8, projection_dim=32)  # fmt: skip
+    config = tf.LlavaConfig(text_config=tf.LlamaConfig(num_hidden_layers=3, **common), vision_config=vision,
+                            image_token_index=image_token, vision_feature_layer=-1)  # fmt: skip
+
+    def make(seed: int, before: tuple[int, ...]) -> ImagePrompt:
+        ids = torch.tensor([[1, *before] + [image_token] * 16 + [7, 8]])
+        pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+        return ImagePrompt(ids, {"pixel_values": pixels})
+
+    return config, [make(0, (5,)), make(1, (5, 6, 7))]
+
+
+FAMILIES = {"qwen3_vl": qwen3_vl, "qwen3_5": qwen3_5, "gemma3": gemma3, "llava": llava}
+
+
+@pytest.fixture(scope="module")
+def family(request):
+    config, prompts = FAMILIES[request.param]()
+    torch.manual_seed(0)
+    model = tf.AutoModelForImageTextToText.from_config(config).eval()
+    model.generation_config.eos_token_id = None  # transformers' answers run N tokens, as ours without stops
+    drafter = DFlashDraftModel.for_target(model.config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1)
+    return model, drafter, prompts
+
+
+def hf_generate(model, prompt: ImagePrompt, **sampling) -> list[int]:
+    ids = prompt.input_ids
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), **prompt.inputs, max_new_tokens=N,
+                         do_sample=False, pad_token_id=0, **sampling)  # fmt: skip
+    return out[0, ids.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES), indirect=True)
+def test_image_prompts_decode_as_plain_greedy_single_and_batched(family):
+    model, drafter, prompts = family
+    target = Target(model)
+    assert target.takes_images and target.layers is model.get_decoder().layers
+    want = [hf_generate(model, p) for p in prompts]
+    for prompt, expected in zip(prompts, want, strict=True):
+        assert generate_ar(target, prompt, N, stop_token_ids=[]).new_tokens == expected
+        assert generate(target, drafter, prompt, N, block_size=4, stop_token_ids=[]).new_tokens == expected
+    # one batch: rows with different images, and a text-only row beside them
+    text_only = torch.tensor([[1, 5, 6, 7, 8]])
+    batch = generate_batch(target, drafter, [*prompts, text_only], N, block_size=4, stop_token_ids=[])
+    assert [r.new_tokens for r in batch[:-1]] == want
+    assert batch[-1].new_tokens == hf_generate(model, ImagePrompt(text_only))
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "gemma3"], indirect=True)
+def test_image_prompts_sample_as_plain_sampling_with_the_same_seed(family):
+    model, drafter, prompts = family
+    target = Target(model)
+    for seed, prompt in enumerate(prompts):
+        plain = generate_ar(target, prompt, N, temperature=0.9, seed=seed, stop_token_ids=[]).new_tokens
+        spec = generate(
+            target, drafter, prompt, N, temperature=0.9, seed=seed, block_size=4, stop_token_ids=[]
+        )
+        assert spec.new_tokens == plain
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl"], indirect=True)
+def test_multimodal_rope_shift_is_kept_per_row_and_through_the_static_cache(family):
+    model, drafter, prompts = family
+    want = [hf_generate(model, p) for p in prompts]
+    target = Target(model)
+    assert target.multimodal_rope
+    shifts = []
+    for p in prompts:
+        generate_ar(target, p, 1, stop_token_ids=[])
+        shifts.append(target.rope_offset(p.inputs))
+    assert all(s < 0 for s in shifts) and len(set(shifts)) > 1  # images take fewer positions than tokens
+    static = Target(model)
+    static.static_cache = True  # the GPU default (and the compiled path's cache), here on the CPU
+    batch = generate_batch(static, drafter, prompts, N, block_size=4, stop_token_ids=[])
+    assert [r.new_tokens for r in batch] == want
+    # Without the shift the text after an image sits at the wrong positions: the same prompts then decode otherwise
+    # (what the assertions above would catch).
+    unshifted = Target(model)
+    unshifted.rope_offset = lambda inputs: 0
+    assert [
+        generate(unshifted, drafter, p, N, block_size=4, stop_token_ids=[]).new_tokens for p in prompts
+    ] != want
+
+
+# ---------------------------------------------------------------------------------------------------------- on disk
+LLAVA_TEMPLATE = (
+    "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<image>{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
+)
+
+
+@pytest.fixture(scope="module")
+def llava_on_disk(tmp_path_factory):
+    """A LLaVA target saved with its processor (a byte-level tokenizer with an <image> token, CLIP's image
+    processor) and an untrained drafter: what `load_target` gets from a hub checkpoint."""
+    root = tmp_path_factory.mktemp("llava")
+    tok = byte_tokenizer(
+        ["describe the picture please", "a cat on a mat", "what is this"], 80, LLAVA_TEMPLATE
+    )
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    image_token = tok.convert_tokens_to_ids("<image>")
+    crop = {"height": 32, "width": 32}
+    image_processor = tf.CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size=crop)
+    processor = tf.LlavaProcessor(image_processor=image_processor, tokenizer=tok, patch_size=8,
+                                  vision_feature_select_strategy="default", chat_template=LLAVA_TEMPLATE,
+                                  image_token="<image>", num_additional_image_tokens=1)  # fmt: skip
+    config, _ = llava(vocab=len(tok) + 4, image_token=image_token)
+    torch.manual_seed(1)
+    model = tf.AutoModelForImageTextToText.from_config(config).eval()
+    model.save_pretrained(root / "target")
+    processor.save_pretrained(root / "target")
+    DFlashDraftModel.for_target(
+        model.config, num_layers=1, block_size=4, mask_token_id=len(tok) + 3
+    ).save_pretrained(root / "draft")
+    picture(3, 50, 40).save(root / "cat.png")
+    (root / "broken.png").write_bytes(b"\x89PNG not really")
+    return root
+
+
+def test_image_text_target_loads_by_path_and_image_files_decode_exactly(llava_on_disk):
+    root = llava_on_disk
+    target = load_target(str(root / "target"), dtype="float32", device="cpu")
+    assert target.takes_images and target.processor is not None
+    target.model.generation_config.eos_token_id = None
+    drafter = DFlashDraftModel.from_pretrained(root / "draft")
+    prompt = encode_image_prompt(target, "what is this", [root / "cat.png"])
+    assert int((prompt.input_ids == target.processor.image_token_id).sum()) == 16
+    expected = hf_generate(target.model, prompt)
+    assert generate(target, drafter, prompt, N, block_size=4, stop_token_ids=[]).new_tokens == expected
+    # the same image as a data: URL, as the server gets it
+    url = "data:image/png;base64," + base64.b64encode((root / "cat.png").read_bytes()).decode()
+    again = encode_image_prompt(target, "what is this", [url])
+    assert torch.equal(again.input_ids, prompt.input_ids)
+    assert torch.equal(again.inputs["pixel_values"], prompt.inputs["pixel_values"])
+
+
+def test_bad_images_are_refused_with_one_line_naming_them(llava_on_disk, tmp_path):
+    root = llava_on_disk
+    with pytest.raises(ImageError, match="not an image"):
+        load_image(root / "broken.png")
+    with pytest.raises(ImageError, match="no such file"):
+        load_image(root / "missing.png")
+    with pytest.raises(ImageError, match="remote URLs are not fetched"):
+        load_image("https://example.com/cat.png")
+    with pytest.raises(ImageError, match="not valid base64"):
+        load_image("data:image/png;base64,@@@")
+    with pytest.raises(ImageError, match="local files are not read"):
+        load_image(str(root / "cat.png"), allow_files=False)
+    with pytest.raises(ImageError, match="pixels, more than"):
+        load_image(Image.new("RGB", (10_000, 10_000)))
+    # images for a text-only target: refused before any decoding
+    text_target = Target(
+        tf.AutoModelForCausalLM.from_config(tf.LlamaConfig(**_common(VOCAB), num_hidden_layers=2))
+    )
+    with pytest.raises(ImageError, match="text-only"):
+        generate_ar(
+            text_target, ImagePrompt(torch.tensor([[1, 5, 6]]), {"pixel_values": torch.zeros(1, 3, 8, 8)}), 4
+        )
+    # the CLI: one line, no traceback, before the model loads
+    cli = [sys.executable, "-m", "flashdraft", "generate", "what is this", "--target", str(root / "target"),
+           "--draft", str(root / "draft"), "--device", "cpu", "--max-new-tokens", "4"]  # fmt: skip
+    for image, message in ((root / "broken.png", "not an image"), (tmp_path / "none.png", "no such file")):
+        done = subprocess.run([*cli, "--image", str(image)], capture_output=True, text=True, timeout=300)
+        assert done.returncode != 0 and message in done.stderr + done.stdout
+        assert "Traceback" not in done.stderr + done.stdout
+
+
+def test_cli_generates_from_an_image_file_exactly(llava_on_disk):
+    root = llava_on_disk
+    cli = [sys.executable, "-m", "flashdraft", "generate", "what is this", "--target", str(root / "target"),
+           "--draft", str(root / "draft"), "--device", "cpu", "--dtype", "float32", "--max-new-tokens", str(N),
+           "--block-size", "4", "--image", str(root / "cat.png"), "--compare-ar", "--json"]  # fmt: skip
+    done = subprocess.run(cli, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout[done.stdout.index("{") :])
+    assert report["identical_to_ar"] and report["prompt_tokens"] > 16
+
+
+def test_served_image_requests_decode_exactly_and_bad_ones_get_a_400(llava_on_disk):
+    openai = pytest.importorskip("openai")
+    from flashdraft.serve import Engine, build_app
+
+    root = llava_on_disk
+    target = load_target(str(root / "target"), dtype="float32", device="cpu")
+    drafter = DFlashDraftModel.from_pretrained(root / "draft")
+    prompt = encode_image_prompt(target, "what is this", [root / "cat.png"])
+    # the server stops on the target's EOS, as plain decoding does (its equality with transformers is tested above)
+    expected = target.tokenizer.decode(generate_ar(target, prompt, N).new_tokens, skip_special_tokens=True)
+    url = "data:image/png;base64," + base64.b64encode((root / "cat.png").read_bytes()).decode()
+
+    def message(image_url: str) -> list[dict]:
+        return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url}},
+                                             {"type": "text", "text": "what is this"}]}]  # fmt: skip
+
+    engine = Engine(target, drafter, block_size=4, max_batch_size=4)
+    with running_server(build_app(engine, "llava")) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+        answer = client.chat.completions.create(model="llava", messages=message(url), max_tokens=N, temperature=0)  # fmt: skip
+        assert answer.choices[0].message.content == expected
+        for bad, said in (("https://example.com/cat.png", "remote URLs"), (str(root / "cat.png"), "local files"),
+                          ("data:image/png;base64,AAAA", "not an image")):  # fmt: skip
+            with pytest.raises(openai.BadRequestError, match=said):
+                client.chat.completions.create(model="llava", messages=message(bad), max_tokens=4)
+        # still serving
+        again = client.chat.completions.create(model="llava", messages=message(url), max_tokens=N, temperature=0)  # fmt: skip
+        assert again.choices[0].message.content == expected
+    engine.close()
