@@ -195,7 +195,7 @@ def test_dflash_generate_is_the_same_compiled(models):
     assert compile_verify(target) is None  # on a CPU: inductor's C++ kernels, weights frozen
     assert target.compile_options["options"]["freezing"] is True
     # the cost model's cache key names the options the same in every process (no function address in it)
-    assert "module_identity_guards" in json.dumps(cost_key(target, draft)) and "0x" not in json.dumps(
+    assert "no_module_guards" in json.dumps(cost_key(target, draft)) and "0x" not in json.dumps(
         cost_key(target, draft)
     )
     target.compile_options = EAGER_GRAPH
@@ -255,9 +255,10 @@ def test_cpu_linears_are_frozen_into_inductor_s_gemm_template_with_the_linear_s_
 
 
 def test_two_frozen_models_of_the_same_shapes_each_run_their_own_weights():
-    """Frozen graphs hold a model's weights as constants and dynamo keeps graphs per code object: the CPU options'
-    guards must tell two models apart, or the second runs the first one's weights (it did, with PyTorch's
-    `skip_guard_on_all_nn_modules_unsafe`)."""
+    """Frozen graphs hold a model's weights as constants and dynamo keeps graphs per code object, and the CPU options
+    skip the guards on modules: each compiled function must have code of its own, or the second model of the same
+    shapes runs the first one's weights (it did, with PyTorch's `skip_guard_on_all_nn_modules_unsafe` and shared
+    code). The two lambdas here share one code object, as two models' verifies share `VerifyForward._forward`."""
     from flashdraft.compiled import compile_options, compile_whole
 
     torch.manual_seed(0)

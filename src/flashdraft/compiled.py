@@ -9,8 +9,8 @@ position inside a graph) and gives it torch.compile's options for its device:
     CPU  inductor's C++ kernels with the weights frozen into the graph (`freezing`: constants, prepacked), every
          linear through inductor's own C++ GEMM template (`max_autotune_gemm` with the `CPP` backend, ATen's GEMM
          its alternative: bf16 on a CPU without bf16 instructions has no template and takes ATen's), and dynamo's
-         guards on the model's modules skipped but their identity (`module_identity_guards`: the target is frozen,
-         and checking its ~2,000 module guards cost 1.5 ms a step). `freezing` must also be set while dynamo traces
+         guards on the model's modules skipped (the target is frozen; checking its ~2,000 module guards cost 1.5 ms
+         a step, and keeping only those on which module it is still 1 ms). `freezing` must also be set while dynamo traces
          (`compile_whole`): given through torch.compile's options alone it froze nothing (the engine's graphs ran
          unfrozen until 2026-11-26). Decode's linears have 1 to 16 rows per verify row, where the BLAS GEMMs run
          far from the memory bandwidth; the template runs near it. On a 2-core AMD EPYC (avx2), the fp32 LM head of
@@ -77,11 +77,11 @@ def compile_options(device: torch.device, training: bool = False) -> dict[str, A
         return {}
     # mode="reduce-overhead" is {"triton.cudagraphs": True}, and a mode takes no other option
     if device.type == "cuda":
-        return {"options": {"triton.cudagraphs": True, "guard_filter_fn": module_identity_guards}}
+        return {"options": {"triton.cudagraphs": True, "guard_filter_fn": no_module_guards}}
     return {
         "options": {
             "freezing": True,
-            "guard_filter_fn": module_identity_guards,
+            "guard_filter_fn": no_module_guards,
             "max_autotune_gemm": True,
             "max_autotune_gemm_backends": "CPP,ATEN",
             # the autotuning's tables of choices on stderr, at every compile: not for a user's terminal
@@ -91,26 +91,42 @@ def compile_options(device: torch.device, training: bool = False) -> dict[str, A
     }
 
 
-def module_identity_guards(guard_entries: Sequence[Any]) -> list[bool]:
-    """dynamo's `guard_filter_fn` for frozen models: the guards on their modules' state are dropped (PyTorch's
-    `skip_guard_on_all_nn_modules_unsafe`), but not those on which module it is (`ID_MATCH`, a pointer compare each).
-    Dynamo keeps compiled graphs per code object, and every model goes through the same code (the verify, the block
-    pass, the head): with no guard on the module, a second model of the same shapes in the process ran the first
-    one's graph, whose frozen constants are the first model's weights (found 2026-11-26; a test builds two)."""
-    return [
-        entry.guard_type == "ID_MATCH" or not entry.orig_guard.source.is_unspecialized_nn_module()
-        for entry in guard_entries
-    ]
+def no_module_guards(guard_entries: Sequence[Any]) -> list[bool]:
+    """dynamo's `guard_filter_fn` for frozen models: no guard on their modules (PyTorch's
+    `skip_guard_on_all_nn_modules_unsafe`). Safe because `compile_whole` gives every compiled function a code object
+    of its own, and each serves one model: dynamo keeps graphs per code object, and every model goes through the same
+    code (the verify, the block pass, the head), so with shared code and no guard on the module a second model of
+    the same shapes ran the first one's graph, whose frozen constants are the first model's weights (found
+    2026-11-26; a test builds two). Guarding which module it is (`ID_MATCH`) also told them apart, at 1 ms a call."""
+    return [not entry.orig_guard.source.is_unspecialized_nn_module() for entry in guard_entries]
+
+
+def own_code(fn: Any) -> Any:
+    """`fn` (a function or a bound method) with a code object of its own, so dynamo keeps its graphs apart from those
+    of every other function made from the same source (another model's verify, block pass or head)."""
+    import types
+
+    bound = fn.__self__ if isinstance(fn, types.MethodType) else None
+    func = fn.__func__ if bound is not None else fn
+    if not isinstance(func, types.FunctionType):
+        return fn
+    copy = types.FunctionType(
+        func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__, func.__closure__
+    )
+    copy.__kwdefaults__, copy.__qualname__ = func.__kwdefaults__, func.__qualname__
+    copy.__dict__.update(func.__dict__)
+    return types.MethodType(copy, bound) if bound is not None else copy
 
 
 def compile_whole(fn: Any, compile_options: dict[str, Any]) -> Any:
-    """`torch.compile(fn, fullgraph=True, **compile_options)` on a copy of the options: torch.compile pops
-    `guard_filter_fn` out of the `options` dict it is given, so the target's own options lost it at the verify's
-    compile (the drafter's block pass then kept its module guards, and the cost model's cache key changed in the
-    middle of a process). With `freezing` in the options, the parameters are frozen for real."""
+    """`torch.compile(fn, fullgraph=True, **compile_options)` on a copy of `fn`'s code (`own_code`: its graphs are its
+    own) and of the options: torch.compile pops `guard_filter_fn` out of the `options` dict it is given, so the
+    target's own options lost it at the verify's compile (the drafter's block pass then kept its module guards, and
+    the cost model's cache key changed in the middle of a process). With `freezing` in the options, the parameters
+    are frozen for real."""
     # inductor's autotuning reads tensor storages through an API torch deprecates: its warning is not the user's
     warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
-    compiled = torch.compile(fn, fullgraph=True, **fresh_options(compile_options))
+    compiled = torch.compile(own_code(fn), fullgraph=True, **fresh_options(compile_options))
     if not compile_options.get("options", {}).get("freezing"):
         return compiled
 
