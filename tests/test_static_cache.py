@@ -307,12 +307,14 @@ def test_the_compiled_draft_head_gives_the_eager_head_s_logits_for_any_number_of
     assert draft_head(config, weight, bias, target) is None  # an eager verify: the eager head
 
 
-def test_inductor_s_one_token_step_decodes_as_plain_decoding():
+def test_inductor_s_one_token_step_decodes_as_plain_decoding(monkeypatch):
     """The real CPU compile (inductor's C++ kernels, frozen weights, its GEMM template), not dynamo alone: greedy
     and seeded sampling through the compiled one-token step, and DFlash through the frozen verify, the compiled
-    block pass and the compiled draft head, give plain decoding's tokens."""
+    block pass and the compiled draft head, give plain decoding's tokens. (Transformers' SDPA attention here: the
+    template alone has no kernel for every product of the short-query attention; the test below compiles that.)"""
     from torch._dynamo.utils import counters
 
+    monkeypatch.setenv("FLASHDRAFT_ATTENTION", "sdpa")
     model = tiny_model("llama", max_position_embeddings=1024)  # room for two capacities
     prompt = list(range(5, 30))
     target = Target(model)
@@ -338,6 +340,28 @@ def test_inductor_s_one_token_step_decodes_as_plain_decoding():
         >= 2 * (7 * model.config.num_hidden_layers + 1) + 8
     )
     assert len(model._flashdraft_draft_heads) == 1  # the draft head the engine compiled beside them
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_compiled_fp32_short_query_attention_decodes_as_plain_decoding(arch):
+    """Compiled on a CPU, an fp32 target's attention for short queries is attention.py's (two products, no K/V
+    copies), with the CPU options as users get them (template or ATen by timing): greedy, seeded sampling and DFlash
+    give plain eager decoding's tokens."""
+    model = tiny_model(arch, max_position_embeddings=1024)
+    prompt = list(range(5, 30))
+    target = Target(model)
+    assert compile_verify(target) is None
+    assert model.config._attn_implementation == "flashdraft"  # switched before anything was traced
+    reference = Target(tiny_model(arch, max_position_embeddings=1024))  # the same weights, SDPA, eager
+    assert reference.model.config._attn_implementation == "sdpa"
+    draft = DFlashDraftModel.for_target(model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1)
+    for temperature in (0.0, 0.9):
+        want = generate_ar(reference, prompt, 12, temperature=temperature, seed=3, stop_token_ids=[])
+        got = generate_ar(target, prompt, 12, temperature=temperature, seed=3, stop_token_ids=[])
+        assert got.new_tokens == want.new_tokens
+    ids = [5 + i % 80 for i in range(100)]
+    got = generate(target, draft.eval(), ids, 12, stop_token_ids=[], block_size=8)
+    assert got.new_tokens == generate_ar(reference, ids, 12, stop_token_ids=[]).new_tokens
 
 
 @pytest.mark.parametrize("compiled", [False, True])

@@ -51,6 +51,12 @@ def compile_verify(target: Any) -> str | None:
         )
     target.static_cache = True
     target.compile_options = compile_options(target.device)
+    from . import attention
+
+    if attention.wanted(
+        target.model, target.dtype, target.device, compiled=True
+    ):  # before anything is traced
+        attention.use(target.model)
     return None
 
 

@@ -228,9 +228,15 @@ def measure_costs(
         _measure_draft_rows(target, draft, ids[:, :c0], draft_dtype, rows, repeats)
         for rows in (1, DRAFT_BATCH_ROWS)
     )
-    slope = [max(0.0, (b - a) / span) for a, b in zip(per_context[0], per_context[-1], strict=True)]
+    # A step costs base + slope x context. At the shortest context the fixed part (the weights read) is most of it:
+    # a slope that would leave it under half is a slower second measurement (a busy machine), not attention, and
+    # would price the fixed part at zero or below.
+    slope = [
+        min(max(0.0, (b - a) / span), a / (2 * max(c0, 1)))
+        for a, b in zip(per_context[0], per_context[-1], strict=True)
+    ]
     base = [a - s * c0 for a, s in zip(per_context[0], slope, strict=True)]
-    d_slope = max(0.0, (draft_times[-1] - draft_times[0]) / span)
+    d_slope = min(max(0.0, (draft_times[-1] - draft_times[0]) / span), draft_times[0] / (2 * max(c0, 1)))
     return CostModel(
         lengths=list(lengths),
         verify_base=base,
