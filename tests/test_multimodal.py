@@ -206,6 +206,13 @@ def test_image_text_target_loads_by_path_and_image_files_decode_exactly(llava_on
     target = load_target(str(root / "target"), dtype="float32", device="cpu")
     assert target.takes_images and target.processor is not None
     target.model.generation_config.eos_token_id = None
+    # text-only prompts go through the chat template, also where a checkpoint keeps it with its processor alone
+    import copy
+
+    bare = copy.deepcopy(target.tokenizer)
+    bare.chat_template = None
+    wrapped = Target(target.model, bare, processor=target.processor)
+    assert wrapped.tokenizer.chat_template == target.processor.chat_template == LLAVA_TEMPLATE
     drafter = DFlashDraftModel.from_pretrained(root / "draft")
     prompt = encode_image_prompt(target, "what is this", [root / "cat.png"])
     assert int((prompt.input_ids == target.processor.image_token_id).sum()) == 16

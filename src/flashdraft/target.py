@@ -75,6 +75,9 @@ class Target:
             p.requires_grad_(False)
         self.processor = processor
         self.tokenizer = tokenizer if tokenizer is not None else getattr(processor, "tokenizer", None)
+        template = getattr(processor, "chat_template", None)
+        if template and self.tokenizer is not None and not getattr(self.tokenizer, "chat_template", None):
+            self.tokenizer.chat_template = template  # an image-text checkpoint keeps it with its processor
         self.name = name or getattr(model.config, "_name_or_path", None) or type(model).__name__
         cfg = model.config
         self.config = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
