@@ -296,3 +296,29 @@ def test_served_image_requests_decode_exactly_and_bad_ones_get_a_400(llava_on_di
         again = client.chat.completions.create(model="llava", messages=message(url), max_tokens=N, temperature=0)  # fmt: skip
         assert again.choices[0].message.content == expected
     engine.close()
+
+
+def test_bench_runs_an_image_set_with_every_output_equal_and_time_to_first_token(llava_on_disk, tmp_path):
+    """`flashdraft bench` on an image+question JSONL (image paths relative to the file): ar, transformers' generate
+    and DFlash on the same image prompts, outputs compared, time to first token per method; methods that cannot take
+    images are refused before anything loads."""
+    from flashdraft.bench import BenchConfig, BenchError, run_bench
+
+    root = llava_on_disk
+    (tmp_path / "cat.png").write_bytes((root / "cat.png").read_bytes())
+    picture(5, 64, 48).save(tmp_path / "dog.png")
+    records = [{"id": "cat", "image": "cat.png", "question": "what is this"},
+               {"id": "dog", "images": ["dog.png"], "turns": ["describe the picture please", "a cat on a mat"]}]  # fmt: skip
+    (tmp_path / "images.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    settings = dict(target=str(root / "target"), draft=str(root / "draft"), datasets=[str(tmp_path / "images.jsonl")],
+                    max_new_tokens=8, plots=False, threads=1, show_progress=False, dtype="float32")  # fmt: skip
+    with pytest.raises(BenchError, match="cannot take image prompts"):
+        run_bench(BenchConfig(methods=["ar", "pld"], out_dir=tmp_path / "no", **settings))
+    results = run_bench(
+        BenchConfig(methods=["ar", "hf", "dflash-fixed"], out_dir=tmp_path / "out", **settings)
+    )
+    assert results["equality"]["compared"] == 3 * 2 and results["equality"]["mismatches"] == 0
+    samples = [s for s in results["samples"] if s["method"] == "ar"]
+    assert [s["turn"] for s in samples] == [0, 0, 1] and all(s["prompt_tokens"] > 16 for s in samples)
+    for s in results["summary"]["images"].values():
+        assert s["ttft_s"] > 0

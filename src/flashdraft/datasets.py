@@ -30,7 +30,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from .prompts import Conversation, PromptFormatError, read_jsonl, to_conversation
+from .prompts import Conversation, PromptFormatError, load_conversations, to_conversation
 
 __all__ = [
     "BOXED_SUFFIX",
@@ -124,7 +124,7 @@ def _file_stem(path: Path) -> str:
 
 def _read_file(path: Path) -> list[Conversation]:
     try:
-        return [to_conversation(record, i) for i, record in enumerate(read_jsonl(path))]
+        return load_conversations(path)  # image paths resolved beside the file
     except PromptFormatError as e:
         raise DatasetError(f"{path}: {e}") from None
     except (OSError, UnicodeDecodeError, EOFError) as e:

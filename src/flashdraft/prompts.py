@@ -64,6 +64,12 @@ def to_conversation(record: dict[str, Any], index: int = 0) -> Conversation:
         for k in ("category", "task_id", "answer", "entry_point", "response_format", "tools", "tool_choice")
         if k in record
     }
+    images = record.get("images", record.get("image"))
+    if images is not None:  # an image+question record (image-text targets): files, or data: URLs
+        images = [images] if isinstance(images, str) else images
+        if not isinstance(images, list) or not all(isinstance(i, str) and i for i in images):
+            raise PromptFormatError(f"record {rid}: 'images' must be a path or a list of paths")
+        meta["images"] = list(images)
     if isinstance(record.get("turns"), list):
         turns = [str(t) for t in record["turns"]]
         return Conversation(rid, turns, meta=meta)
@@ -97,5 +103,11 @@ def load_conversations(path: str | Path, limit: int | None = None) -> list[Conve
     for i, record in enumerate(read_jsonl(path)):
         if limit is not None and len(out) >= limit:
             break
-        out.append(to_conversation(record, i))
+        conv = to_conversation(record, i)
+        if "images" in conv.meta:  # relative image paths are the file's neighbours
+            conv.meta["images"] = [
+                im if im.startswith("data:") or Path(im).is_absolute() else str(Path(path).parent / im)
+                for im in conv.meta["images"]
+            ]
+        out.append(conv)
     return out

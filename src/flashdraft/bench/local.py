@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..datasets import BenchDataset
+from ..multimodal import ImagePrompt, encode_image_prompt
 from ..progress import busy_machine_warning
 from ..tool_calls import (
     ToolChoice,
@@ -87,13 +88,16 @@ class _ChunkTimer:
 class LocalMethods:
     """Loads the models once and runs any method on a prompt."""
 
-    def __init__(self, cfg: BenchConfig, out_dir: Path | None = None) -> None:
+    def __init__(self, cfg: BenchConfig, out_dir: Path | None = None, images: bool = False) -> None:
+        """`images`: a dataset has image records (an image-text target is loaded whole, multimodal.py)."""
         from ..compiled import compile_verify
         from ..model import DFlashDraftModel
         from ..target import load_target
 
         self.cfg = cfg
-        self.target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, quantize=cfg.quantize)
+        self.target = load_target(
+            cfg.target, dtype=cfg.dtype, device=cfg.device, quantize=cfg.quantize, images=images or None
+        )
         self.target.check_decodable()
         self.compile_note = compile_verify(self.target) if cfg.compile_verify else None
         self.device = self.target.device
@@ -190,6 +194,12 @@ class LocalMethods:
     ) -> RunOutput:
         if method in ("ar", *DFLASH_METHODS):
             return self._run_engine(method, input_ids, max_new_tokens, seed, response_format)
+        if isinstance(
+            input_ids, ImagePrompt
+        ):  # image prompts: the engine's methods and transformers' generate
+            if method != "hf":
+                raise BenchError(f"method {method} cannot take image prompts")
+            return self._run_transformers(input_ids.input_ids, max_new_tokens, seed, dict(input_ids.inputs))
         if method in LLAMACPP_METHODS:
             got = self.llamacpp.servers[method].complete(
                 input_ids[0].tolist(), max_new_tokens, self.cfg.temperature, seed, self.stop_ids
@@ -309,6 +319,13 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             f"{', '.join(unconstrained)} cannot decode under a response_format ({', '.join(structured)} has "
             "structured-output records): run ar and the dflash methods on it"
         )
+    with_images = [ds.name for ds in datasets if any(c.meta.get("images") for c in ds.conversations)]
+    other = [m for m in cfg.methods if m not in ("ar", "hf", *DFLASH_METHODS)]
+    if with_images and other:
+        raise BenchError(
+            f"{', '.join(other)} cannot take image prompts ({', '.join(with_images)} has image records): run ar, hf "
+            "and the dflash methods on it"
+        )
     previous_threads = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -323,7 +340,8 @@ def _run_local(cfg: BenchConfig, datasets: list[BenchDataset]) -> dict[str, Any]
     out_dir = Path(cfg.out_dir) if cfg.out_dir else default_out_dir(cfg.datasets)
 
     console.print(f"loading {cfg.target}" + (f" + drafter {cfg.draft}" if cfg.draft else ""))
-    runner = LocalMethods(cfg, out_dir)
+    images = any(c.meta.get("images") for ds in datasets for c in ds.conversations)
+    runner = LocalMethods(cfg, out_dir, images)
     try:
         return _measure(cfg, datasets, runner, out_dir)
     finally:
@@ -347,7 +365,12 @@ def _measure(
     if runner.compile_note:
         console.print(f"[yellow]note:[/] {runner.compile_note}")
 
-    def encode(messages: list[dict[str, str]], system: str | None) -> torch.Tensor:
+    def encode(messages: list[dict[str, str]], system: str | None, images: list[str] | None = None) -> Any:
+        if images:  # an image set (image-text targets): the images go with the first user turn
+            first = {"role": "user", "content": [*({"type": "image"} for _ in images),
+                                                 {"type": "text", "text": messages[0]["content"]}]}  # fmt: skip
+            kwargs = {} if cfg.thinking is None else {"enable_thinking": cfg.thinking}
+            return encode_image_prompt(target, [first, *messages[1:]], images, system, kwargs)
         return target.encode_prompt(messages, chat=cfg.chat, enable_thinking=cfg.thinking, system=system)
 
     with torch.inference_mode():
@@ -355,7 +378,9 @@ def _measure(
             # First-call overheads (allocator, kernels, lazy init) are paid here by every method, not measured;
             # a compiled verify takes a whole answer, so most of its graphs (one per verify shape) exist before.
             first = datasets[0].conversations[0]
-            ids = encode([{"role": "user", "content": first.user_turns[0]}], first.system)
+            ids = encode(
+                [{"role": "user", "content": first.user_turns[0]}], first.system, first.meta.get("images")
+            )
             warm_tokens = (
                 cfg.max_new_tokens if target.compile_options is not None else min(cfg.max_new_tokens, 16)
             )
@@ -375,7 +400,8 @@ def _measure(
                         for turn, user_text in enumerate(conv.user_turns):
                             messages.append({"role": "user", "content": user_text})
                             if tools is None:
-                                ids, fmt = encode(messages, conv.system), conv.meta.get("response_format")
+                                ids = encode(messages, conv.system, conv.meta.get("images"))
+                                fmt = conv.meta.get("response_format")
                             else:  # a tool-call record: the tools shown, `required` / named enforced
                                 system = [{"role": "system", "content": conv.system}] if conv.system else []
                                 ids = encode_tool_prompt(
@@ -431,7 +457,7 @@ def _measure(
                                 records.append(rec)
                             flips = (
                                 weigh_flips(target, ids, ref.new_ids, differing, runner.block_size or 16)
-                                if greedy
+                                if greedy and not isinstance(ids, ImagePrompt)  # not weighed with images
                                 else [None] * len(differing)
                             )
                             mismatches += [
