@@ -373,12 +373,8 @@ class BatchDecoder:
         if (
             self.target.multimodal_rope
         ):  # the model's defaults follow its last prefill: positions always given
-            offsets = (
-                torch.tensor([r.rope_offset for r in self.rows])
-                if any(r.rope_offset for r in self.rows)
-                else None
-            )
-            positions = self.target.model_positions(positions, offsets)
+            shifts = [r.rope_offset for r in self.rows]
+            positions = self.target.model_positions(positions, torch.tensor(shifts) if any(shifts) else None)
         if self.static:
             columns = self.valid.shape[1]
             static = reserve(self.cache, columns + n, mark_static=self.verify.compiled)

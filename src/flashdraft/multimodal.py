@@ -66,12 +66,17 @@ def as_prompt(prompt: Any) -> tuple[Any, dict[str, Any] | None]:
     return prompt, None
 
 
+def refuse_images(target: Target, inputs: dict[str, Any] | None) -> None:
+    """An `ImageError` for prefill inputs given to a target that takes no images."""
+    if inputs and not target.takes_images:
+        raise ImageError(f"target {target.name} is a text-only model: it cannot take images")
+
+
 def check_prompt_inputs(target: Target, inputs: dict[str, Any] | None) -> dict[str, Any] | None:
     """The prefill inputs on the target's device, pixels in its dtype; refused for a target that takes no images."""
     if not inputs:
         return None
-    if not target.takes_images:
-        raise ImageError(f"target {target.name} is a text-only model: it cannot take images")
+    refuse_images(target, inputs)
     out = {}
     for k, v in inputs.items():
         if isinstance(v, torch.Tensor):

@@ -131,11 +131,11 @@ def check_request(
 ) -> torch.Tensor:
     """The prompt as a [1, n] id tensor on the target's device, after the checks every request gets (a prompt with
     images, multimodal.py: its ids; its images refused here for a text-only target)."""
-    from .multimodal import as_prompt, check_prompt_inputs
+    from .multimodal import as_prompt, refuse_images
 
     target.check_decodable()
     input_ids, inputs = as_prompt(input_ids)
-    check_prompt_inputs(target, inputs)
+    refuse_images(target, inputs)
     ids = _as_input_ids(input_ids, target.device)
     prompt_len = ids.shape[1]
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
