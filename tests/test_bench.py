@@ -48,6 +48,25 @@ CHAT_TEMPLATE = (
 # ============================================================================================ metrics
 
 
+def test_a_step_far_slower_than_its_turn_s_others_is_reported_as_a_stall():
+    from flashdraft.bench.metrics import stalls
+
+    def record(turn: int, steps: list[float]) -> SampleRecord:
+        return SampleRecord(dataset="d", conversation_id="c", turn=turn, method="dflash", prompt_tokens=5,
+                            new_tokens=len(steps) + 1, ttft_s=0.01, decode_s=sum(steps), decode_tokens=len(steps),
+                            step_tokens=[1] * len(steps), step_s=steps)  # fmt: skip
+
+    compiled_mid_answer = record(0, [0.003] * 40 + [9.2] + [0.003] * 20)
+    slow_but_steady = record(1, [0.4, 0.5, 0.45])  # a slow machine, no step stands out
+    short_spike = record(2, [0.003] * 10 + [0.1])  # 33x the median, but a tenth of a second: noise
+    found = stalls([slow_but_steady, compiled_mid_answer, short_spike, record(3, [])])
+    assert [(x["turn"], x["slowest_step"]) for x in found] == [(0, 40)]
+    assert found[0]["slowest_step_s"] == 9.2 and found[0]["median_step_s"] == 0.003
+    assert (
+        compiled_mid_answer.to_dict()["slowest_step"] == 40 and "step_s" not in compiled_mid_answer.to_dict()
+    )
+
+
 def test_tau_histogram_and_slot_acceptance_from_hand_made_logs():
     # Five verify steps of a block-4 drafter (3 drafts each, 2 in the last one, cut by max_new_tokens).
     draft_lengths = [3, 3, 3, 3, 2]
@@ -266,6 +285,12 @@ def test_bench_end_to_end_every_method(tiny, tmp_path):
     # dflash is cost-aware: what it verifies depends on the costs measured here; it ran from a recorded cost model
     assert 1.0 <= summary["dflash"]["tau"] <= 4.0
     assert results["settings"]["verify"] == "auto" and results["settings"]["cost_model"]["lengths"][0] == 1
+    for sample in results["samples"]:  # each engine step timed: the slowest and the median kept per turn
+        if sample["method"] in ("ar", "dflash", "dflash-fixed") and sample["decode_tokens"]:
+            assert 0 < sample["median_step_s"] <= sample["slowest_step_s"] <= sample["decode_s"]
+            assert 0 <= sample["slowest_step"] < len(sample["step_tokens"]), sample
+        else:  # transformers' methods are not timed per step
+            assert "slowest_step_s" not in sample
     ar_samples = [s for s in results["samples"] if s["method"] == "ar"]
     # The second turn is conditioned on the first answer: its prompt holds the first prompt and the answer.
     first, second = ar_samples[0], ar_samples[1]

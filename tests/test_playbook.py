@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,33 @@ def test_playbook_dry_run_brings_back_everything_and_resumes(tmp_path):
     assert "flashdraft bench" not in log and "profile_decode" not in log
     assert "resumed from" in (w / "train.log").read_text()
     assert len((w / "run" / "train_log.jsonl").read_text().splitlines()) > steps
+
+
+def test_check_leaves_the_suite_running_apart_and_stop_tests_ends_it(tmp_path):
+    """`check` returns at once, even to a caller that reads its output to the end (a device call's `| tail`): the
+    suite it starts holds none of that output. `stop-tests` ends the whole suite and lists what failed so far."""
+    repo = tmp_path / "repo"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "tests" / "test_suite.py").write_text(
+        "import time\n\ndef test_fails():\n    assert False\n\ndef test_slow():\n    time.sleep(120)\n"
+    )
+    env = {**os.environ, "DRY": "1", "PLAYBOOK_DIR": str(tmp_path / "w"), "PLAYBOOK_REPO": str(repo),
+           "SUITE_ARGS": "tests/test_suite.py"}  # fmt: skip
+    w = tmp_path / "w"
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(PLAYBOOK), "check"], env=env, capture_output=True, text=True,
+                          timeout=100, cwd=ROOT)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert time.monotonic() - start < 60 and not (w / "cuda-tests.done").exists()
+    pgid = int((w / "cuda-tests.pid").read_text())
+    for _ in range(60):  # the first test has failed once its line is in the log
+        if "FAILED" in ((w / "cuda-tests.log").read_text() if (w / "cuda-tests.log").exists() else ""):
+            break
+        time.sleep(1)
+    stopped = subprocess.run([sys.executable, str(PLAYBOOK), "stop-tests"], env=env, capture_output=True,
+                             text=True, timeout=60, cwd=ROOT)  # fmt: skip
+    assert stopped.returncode == 0, stopped.stderr[-2000:]
+    assert "test_suite.py::test_fails" in stopped.stdout and "1 failed so far" in stopped.stdout
+    assert (w / "cuda-tests.done").exists()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pgid, 0)

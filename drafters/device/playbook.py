@@ -11,6 +11,8 @@
                                                                  the pack, then the pipeline below, detached, until
                                                                  SECONDS from now
     call 4+ python3 drafters/device/playbook.py status WAIT     progress; what is finished comes back in $OUT
+    (any)   python3 drafters/device/playbook.py stop-tests      end the CUDA suite now (its failures so far listed), so
+                                                                 the pipeline, which waits for it, starts timing
     HERE    bash drafters/device/unpack.sh /work/.device/N runs/gpuN
 
 The machine goes back 30 s after a call ends, and /tmp with it: issue the calls back to back, each status call
@@ -113,12 +115,12 @@ def log(message: str) -> None:
         f.write(line + "\n")
 
 
-def run(cmd: list[str], out: Path, timeout: float | None = None) -> int:
+def run(cmd: list[str], out: Path, timeout: float | None = None, **extra_env: str) -> int:
     """Run a command, its output appended to `out`; the return code (124 on timeout). At the timeout it is
     interrupted (SIGINT: the bench writes what it measured so far, training its checkpoint) and killed 30 s later."""
     log(f"$ {' '.join(cmd)}  > {out.name}")
     with out.open("a") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env(), cwd=ROOT)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**env(), **extra_env}, cwd=ROOT)
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -180,16 +182,21 @@ def check() -> None:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target",
                         str(W / "site"), *map(str, wheels)], check=True)  # fmt: skip
     workers = [] if DRY else ["-n", os.environ.get("TEST_WORKERS", "12")]
-    pytest = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider"]
-    cmd = [*pytest, "-m", "not slow", *workers, "--continue-on-collection-errors",
-           *([] if not DRY else ["tests/test_sharding.py"])]  # fmt: skip
+    pytest = [sys.executable, "-m", "pytest", "-rfE", "-p", "no:cacheprovider"]
+    # -v: each test's outcome as it ends, so a suite stopped early (`stop-tests`) still names its failures
+    cmd = [*pytest, "-v", "-m", "not slow", *workers, "--continue-on-collection-errors",
+           *shlex.split(os.environ.get("SUITE_ARGS", "tests/test_sharding.py" if DRY else ""))]  # fmt: skip
     (W / "cuda-tests.done").unlink(missing_ok=True)
     script = f"{shlex.join(cmd)} > {W / 'cuda-tests.log'} 2>&1; echo $? > {W / 'cuda-tests.done'}"
     if not DRY:
-        script = f"{shlex.join([*pytest, '-rA', *GPU_TESTS])} > {W / 'gpu-tests.log'} 2>&1; {script}"
+        script = f"{shlex.join([*pytest, '-q', '-rA', *GPU_TESTS])} > {W / 'gpu-tests.log'} 2>&1; {script}"
     tree = snapshot()
     test_env = {**tree_env(tree), "PYTHONHASHSEED": "0"}  # xdist's workers must collect the same tests
-    subprocess.Popen(["bash", "-c", script], env=test_env, cwd=tree, start_new_session=True)
+    # Its own session, and none of this call's output: a call's command piped (`check | tail`) would otherwise wait
+    # for the whole suite on the pipe the suite inherited (2 device minutes lost, 2026-11-27).
+    suite = subprocess.Popen(["bash", "-c", script], env=test_env, cwd=tree, start_new_session=True,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    (W / "cuda-tests.pid").write_text(str(suite.pid))
     log(f"tests started: {' '.join(cmd)}")
     if not DRY:
         subprocess.run(
@@ -215,6 +222,35 @@ def tests(wait: float) -> None:
     for path in (log_file, gpu_log):
         if "OUT" in os.environ and path.exists():
             shutil.copy(path, os.environ["OUT"])
+
+
+def stop_tests() -> None:
+    """End the suite (its whole process group), so the pipeline waiting for it starts timing now; the failures so far
+    are in its log. (A `pkill -f pytest` in a call's command matched that command's own shell, 2026-11-27.)"""
+    pid_file = W / "cuda-tests.pid"
+    if pid_file.exists() and not (W / "cuda-tests.done").exists():
+        pgid = int(pid_file.read_text())
+        for sig, pause in ((signal.SIGINT, 5.0), (signal.SIGKILL, 1.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            time.sleep(pause)
+        if not (W / "cuda-tests.done").exists():
+            (W / "cuda-tests.done").write_text("stopped\n")
+    log_file = W / "cuda-tests.log"
+    lines = log_file.read_text().splitlines() if log_file.exists() else []
+    outcomes: dict[str, str] = {}  # test id -> its outcome (-v lines, with or without xdist, and -rfE's summary)
+    for line in lines:
+        words = line.split()
+        ids = [w for w in words if "::" in w]
+        for outcome in ("PASSED", "FAILED", "ERROR"):
+            if ids and outcome in words:
+                outcomes.setdefault(ids[0], outcome)
+    failed = sorted(t for t, o in outcomes.items() if o != "PASSED")
+    passed = len(outcomes) - len(failed)
+    log(f"tests stopped: {passed} passed, {len(failed)} failed so far")
+    print(*(f"{outcomes[t]} {t}" for t in failed[:40]), sep="\n")
 
 
 def piece(n: int) -> None:
@@ -302,7 +338,8 @@ def pipeline(deadline: float) -> None:
         code = run(fd("bench", *common, "--compile", "--draft", DRAFT, "--methods", COMPILED_METHODS,
                       "--dataset", "gsm8k,humaneval,mt-bench", "--max-samples", BENCH["samples"],
                       "--max-new-tokens", BENCH["tokens"], "--no-plots", "--out", str(W / "bench-compiled")),
-                   W / "bench-compiled.log", timeout=max(60, min(420, left() - 45)))  # fmt: skip
+                   W / "bench-compiled.log", timeout=max(60, min(420, left() - 45)),
+                   TORCH_LOGS="recompiles")  # a compile inside a turn names its cause in the log  # fmt: skip
         if code == 0:
             mark("compiled-bench")
     # The durable training sets made with this target (a dry run's small model trains on what it regenerates).
@@ -468,6 +505,9 @@ def main() -> None:
             tests(float(sys.argv[3]))
     elif step == "start":
         start(float(sys.argv[2]))
+    elif step == "stop-tests":
+        stop_tests()
+        tests(0)
     elif step == "status":
         status(float(sys.argv[2]) if len(sys.argv) > 2 else 0)
     elif step == "pipeline":

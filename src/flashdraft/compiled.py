@@ -203,10 +203,7 @@ class VerifyForward:
         if not self.compiled:
             return self._forward(input_ids, position_ids, mask, cache)
         self._captured.clear()  # the hooks also fire in eager forwards (prefill): the graph always starts empty
-        # Fresh contiguous inputs: a graph is kept per stride and storage offset too, not only per shape (a plain
-        # clone keeps a [1, n] slice's row stride, the length of what it was cut from: a guard, and a recompile).
-        input_ids = input_ids.clone(memory_format=torch.contiguous_format)
-        position_ids = position_ids.clone(memory_format=torch.contiguous_format)
+        input_ids, position_ids = fresh(input_ids), fresh(position_ids)
         symbolic_sizes(input_ids, 0, 1)  # rows, verify length
         symbolic_sizes(
             position_ids, *((0, 1) if position_ids.dim() == 2 else (1, 2))
@@ -243,6 +240,7 @@ def draft_block_pass(draft: Any, target: Any) -> Any:
 
     def run(x, cos, sin, keys, values, masks, block_len) -> torch.Tensor:
         # made this step (the context's K/V are marked where DraftContextCache makes them)
+        x, cos, sin = fresh(x), fresh(cos), fresh(sin)
         for t in (x, cos, sin):
             symbolic_sizes(t, 0)  # rows
         for t in masks.values():
@@ -276,12 +274,20 @@ def draft_head(config: Any, weight: torch.Tensor, bias: torch.Tensor | None, tar
     )
 
     def run(hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden.contiguous()
+        hidden = fresh(hidden)  # one row's slots, `hidden[:, 1:]`, start one state into their tensor
         symbolic_sizes(hidden, 0)  # rows x slots
         return _run_compiled(compiled, "the drafter's LM head", hidden).clone()
 
     heads[key] = run
     return run
+
+
+def fresh(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy at storage offset 0 of a compiled function's input. dynamo keeps a graph per stride and
+    storage offset too, not only per shape: `.contiguous()` keeps a slice's offset (the drafter's head met one row's
+    slots one state into their tensor and a batch's at 0: two graphs, a compile in the middle of a GPU answer), and
+    a plain clone keeps a [1, n] slice's row stride, the length of what it was cut from."""
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _run_compiled(fn: Any, what: str, *args: Any) -> Any:

@@ -37,7 +37,7 @@ from .config import (
     progress_display,
     validate_config,
 )
-from .metrics import SampleRecord, add_speedups, first_difference, summarize_records
+from .metrics import SampleRecord, add_speedups, first_difference, stalls, summarize_records
 from .mismatches import mismatch_entry, verdict_counts, weigh_flips
 from .report import write_results
 
@@ -53,6 +53,7 @@ class RunOutput:
     accepted_drafts: list[int] = field(default_factory=list)
     stop_reason: str = ""
     grammar_s: float = 0.0
+    step_s: list[float] = field(default_factory=list)  # each decode step's wall time
 
 
 def _sync(device: torch.device) -> None:
@@ -224,6 +225,10 @@ class LocalMethods:
             seed=seed,
             response_format=response_format,
         )
+        # each step's tokens reach the host (a synchronisation) before on_tokens: the times between calls are the
+        # decode steps' (the first call ends the prefill)
+        seen: list[float] = []
+        common["on_tokens"] = lambda _ids: seen.append(time.perf_counter())
         if method in DFLASH_METHODS:
             verify = self.block_size if method == "dflash-fixed" else self.verify
             sampling = "pq" if method == "dflash-pq" else "match"
@@ -245,6 +250,7 @@ class LocalMethods:
             accepted_drafts=list(res.accepted_drafts) if method in DFLASH_METHODS else [],
             stop_reason=res.stop_reason,
             grammar_s=res.grammar_s,
+            step_s=[b - a for a, b in zip(seen, seen[1:], strict=False)],
         )
 
     def _run_transformers(
@@ -440,6 +446,7 @@ def _measure(
                                     accepted_drafts=out.accepted_drafts,
                                     stop_reason=out.stop_reason,
                                     grammar_s=out.grammar_s,
+                                    step_s=out.step_s,
                                     output_ids=out.new_ids,
                                 )
                                 compared = method not in LLAMACPP_METHODS  # another engine, other weights
@@ -556,5 +563,6 @@ def _local_results(
             "details": mismatches,
         },
         "skipped": skipped,
+        "stalls": stalls(records),
         "samples": [r.to_dict() for r in records],
     }

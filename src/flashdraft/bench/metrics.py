@@ -98,6 +98,8 @@ class SampleRecord:
     grammar_s: float = 0.0  # structured output: the grammar's part of decode_s
     matches_reference: bool | None = None  # None: not compared (sampling, or the reference itself)
     first_mismatch: int | None = None
+    # each decode step's wall time (engine methods); results.json keeps the slowest and the median
+    step_s: list[float] = field(default_factory=list, repr=False)
     output_ids: list[int] = field(default_factory=list, repr=False)
     output_text: str | None = field(default=None, repr=False)
 
@@ -113,12 +115,38 @@ class SampleRecord:
         d = asdict(self)
         d.pop("output_ids")
         d.pop("output_text")
+        steps = d.pop("step_s")
         d["total_s"] = self.total_s
         d["tpot_s"] = self.tpot_s
+        if steps:
+            slowest = max(range(len(steps)), key=steps.__getitem__)
+            d.update(slowest_step=slowest, slowest_step_s=steps[slowest], median_step_s=_median(steps))
         if with_outputs:
             d["output_ids"] = self.output_ids
             d["output_text"] = self.output_text
         return d
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+# A decode step this many times the turn's median and at least this long: a compile (or a CUDA graph recorded) inside
+# the answer, which its tok/s includes (on an H100, 20-55 s inside one turn of a compiled bench: 2026-11-26).
+STALL_RATIO, STALL_MIN_S = 20.0, 0.25
+
+
+def stalls(records: Sequence[SampleRecord]) -> list[dict[str, Any]]:
+    """The turns with a stalled decode step (`STALL_RATIO`), slowest first: where a compile happened mid-answer."""
+    found = []
+    for r in records:
+        d = r.to_dict()
+        slow, median = d.get("slowest_step_s"), d.get("median_step_s")
+        if slow is not None and slow >= max(STALL_MIN_S, STALL_RATIO * median):
+            found.append({k: d[k] for k in ("dataset", "conversation_id", "turn", "method", "slowest_step",
+                                            "slowest_step_s", "median_step_s", "decode_s")})  # fmt: skip
+    return sorted(found, key=lambda x: -x["slowest_step_s"])
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:

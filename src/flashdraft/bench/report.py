@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .config import REFERENCE, BenchError
-from .metrics import SampleRecord
+from .metrics import STALL_MIN_S, STALL_RATIO, SampleRecord
 from .mismatches import NEAR_TIE, UNEXPLAINED
 from .plots import plot_local, plot_server
 
@@ -214,6 +214,23 @@ def render_report(results: dict[str, Any]) -> str:
         for method, summary in by_method.items():
             if summary.get("slot_acceptance"):
                 lines += _acceptance_tables(f"{group}, {method}", summary)
+    if results.get("stalls"):
+        lines += [
+            "## Stalled steps",
+            "",
+            f"{len(results['stalls'])} turn(s) had a decode step at least {STALL_RATIO:g}x their median step and "
+            f"{STALL_MIN_S:g} s or longer: a compile (or a CUDA graph recorded) inside the answer. Their tok/s "
+            "above include it.",
+            "",
+            "| dataset | prompt | turn | method | step | took s | median step ms | turn's decode s |",
+            "|---|---|---|---|---|---|---|---|",
+            *(
+                f"| {x['dataset']} | {x['conversation_id']} | {x['turn']} | {x['method']} | {x['slowest_step']} | "
+                f"{x['slowest_step_s']:.2f} | {1000 * x['median_step_s']:.1f} | {x['decode_s']:.2f} |"
+                for x in results["stalls"]
+            ),
+            "",
+        ]
     lines += ["## Output equality", ""]
     if not eq["checked"]:
         lines += ["Not checked: temperature > 0 and no seed-exact method (outputs are samples).", ""]
@@ -478,4 +495,10 @@ def print_summary(results: dict[str, Any]) -> None:
             out.print(f"[bold red]{eq['mismatches']} output(s) differ from ar[/]{why}; see report.md")
         elif eq["checked"]:
             out.print(f"all {eq['compared']} outputs identical to ar{_seed_note(eq)}")
+        for x in results.get("stalls", [])[:3]:
+            out.print(
+                f"[yellow]stalled step[/] {x['dataset']} {x['conversation_id']}/{x['turn']} {x['method']}: step "
+                f"{x['slowest_step']} took {x['slowest_step_s']:.2f} s (median {1000 * x['median_step_s']:.1f} ms): a "
+                "compile inside the answer?"
+            )
     out.print(f"results in {results['out_dir']}")
