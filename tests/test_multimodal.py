@@ -166,6 +166,34 @@ def test_multimodal_rope_shift_is_kept_per_row_and_through_the_static_cache(fami
     ] != want
 
 
+@pytest.mark.parametrize("family", ["qwen3_vl"], indirect=True)
+def test_multimodal_rope_whose_language_model_takes_no_text_positions_is_refused_before_decoding(family):
+    """The engine gives a multimodal-RoPE model [4, b, n] positions on every step; a language model that does not
+    split off the text row would read it as rotary sections and decode wrong, so such a target is refused."""
+    from flashdraft.target import TargetError
+
+    model, drafter, prompts = family
+    language_model = model.get_decoder()
+    own = type(language_model)
+
+    class RotaryRowsOnly(own):  # a family whose forward never looks at the first row apart
+        def forward(self, *args, **kwargs):
+            return own.forward(self, *args, **kwargs)
+
+    language_model.__class__ = RotaryRowsOnly
+    try:
+        target = Target(model)
+        for decode in (
+            lambda: generate_ar(target, prompts[0], N, stop_token_ids=[]),
+            lambda: generate(target, drafter, torch.tensor([[1, 5, 6]]), N, block_size=4),
+        ):
+            with pytest.raises(TargetError, match=r"multimodal RoPE \(qwen3_vl\).*\[4, batch, tokens\]"):
+                decode()
+    finally:
+        language_model.__class__ = own
+    Target(model).check_decodable()  # the real one splits it
+
+
 # ---------------------------------------------------------------------------------------------------------- on disk
 LLAVA_TEMPLATE = (
     "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"

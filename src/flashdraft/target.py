@@ -54,6 +54,29 @@ def _find_decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
     return min(candidates, key=lambda c: c[0].count("."))[1]
 
 
+def _mrope_refusal(model: nn.Module, mrope: nn.Module | None) -> str | None:
+    """Why a multimodal-RoPE target cannot be decoded exactly here, or None. The engine gives such a model explicit
+    [4, b, n] positions on every step (`Target.model_positions`: the text positions the mask is built from, then the
+    three rotary ones), which its language model must split; transformers' Qwen-VL, Qwen3.5, GLM-4V, ERNIE-VL, ...
+    do (`position_ids.shape[0] == 4`). One that does not would read the four rows as rotary sections: refused before
+    decoding rather than decoded wrong."""
+    if mrope is None:
+        return None
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    try:
+        source = inspect.getsource(type(decoder).forward)
+    except (AttributeError, OSError, TypeError):
+        source = ""
+    if "shape[0] == 4" in source:
+        return None
+    kind = getattr(model.config, "model_type", type(model).__name__)
+    return (
+        f"its multimodal RoPE ({kind}) takes no text positions beside the rotary ones ([4, batch, tokens]), which "
+        "the engine gives every decode step"
+    )
+
+
 def _find_final_norm(model: nn.Module) -> nn.Module | None:
     base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
     for attr in ("norm", "final_layernorm", "ln_f", "final_norm", "norm_f"):
@@ -115,9 +138,9 @@ class Target:
         )
         from .recurrent import RecurrentRollback, decoding_support, has_recurrent_layers
 
-        self.unsupported_reason = decoding_support(
-            model.config, type(model), model
-        )  # None: decoding is exact here
+        # None: decoding is exact here
+        support = decoding_support(model.config, type(model), model)
+        self.unsupported_reason = support or _mrope_refusal(model, self._mrope)
         # Recurrent state (GatedDeltaNet, Mamba): rolled back by snapshot + replay, not by a crop.
         self.recurrent = (
             RecurrentRollback(model)
