@@ -156,61 +156,6 @@ def test_another_capacity_or_verify_length_is_no_new_graph(models):
     assert counters["stats"]["unique_graphs"] == first
 
 
-def test_the_verify_has_a_graph_per_length_range_compiled_before_the_first_step(models):
-    """One graph per range of verify lengths (a kernel tuned for 2 tokens ran 16 at 5.8x the cost of 4 on a CPU), all
-    compiled when the first row joins: after that no verify length the decoder runs compiles again."""
-    from flashdraft.compiled import VERIFY_LENGTH_RANGES, first_lengths_of_ranges
-
-    assert VERIFY_LENGTH_RANGES[0][0] == 2 and all(
-        a[1] + 1 == b[0] for a, b in zip(VERIFY_LENGTH_RANGES, VERIFY_LENGTH_RANGES[1:], strict=False)
-    )  # every length past one in exactly one range
-    assert first_lengths_of_ranges(16, VERIFY_BUCKETS) == [1, 2, 8]
-    assert first_lengths_of_ranges(4, VERIFY_BUCKETS) == [1, 2]
-    assert first_lengths_of_ranges(100, None) == [1, 2, 5, 65]
-    torch._dynamo.reset()
-    model = models["llama"]
-    model.__dict__.pop("_flashdraft_verify_forwards", None)  # kept per model: made again after dynamo's reset
-    draft = DFlashDraftModel.for_target(
-        model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1
-    ).eval()
-    target = Target(model)
-    target.static_cache, target.compile_options = True, EAGER_GRAPH
-    reference = Target(model)
-    prompt = list(range(5, 40))
-    generate(target, draft, prompt, max_new_tokens=2, block_size=8)  # a row joins: the verify's graphs made
-    for block_size in (8, 3, 5, 2):  # verifies of 1, 2, 4 (3 padded) and 8 (5 padded) tokens
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            got = generate(target, draft, prompt, max_new_tokens=24, stop_token_ids=[], block_size=block_size)
-        assert got.new_tokens == generate_ar(reference, prompt, 24, stop_token_ids=[]).new_tokens
-
-
-def test_a_model_that_branches_on_the_verify_length_falls_back_to_plain_symbolic_sizes():
-    """A model whose code branches on the number of tokens breaks dynamo's length ranges ("Constraints violated"):
-    the verify then takes plain symbolic sizes and decodes on, exactly, instead of failing mid-answer."""
-    model = tiny_model("llama")
-
-    def branches_on_length(module, args, kwargs):
-        hidden = args[0] if args else kwargs["hidden_states"]
-        if hidden.shape[1] == 3:  # a guard on one length inside the range [2, 4]
-            return None
-        return None
-
-    model.model.layers[0].register_forward_pre_hook(branches_on_length, with_kwargs=True)
-    draft = DFlashDraftModel.for_target(
-        model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1
-    ).eval()
-    target = Target(model)
-    target.static_cache, target.compile_options = True, EAGER_GRAPH
-    prompt = list(range(5, 40))
-    plain = generate_ar(Target(model), prompt, 20, stop_token_ids=[]).new_tokens
-    for block_size in (8, 3):
-        assert (
-            generate(target, draft, prompt, 20, stop_token_ids=[], block_size=block_size).new_tokens == plain
-        )
-    (verify,) = model.__dict__["_flashdraft_verify_forwards"].values()
-    assert verify.length_ranges is False
-
-
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize(("temperature", "kind"), [(0.0, "v1"), (0.8, "v1"), (0.0, "dflash2")])
 def test_a_drafter_beside_the_static_cache_decodes_rows_as_plain_decoding(

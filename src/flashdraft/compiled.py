@@ -21,9 +21,7 @@ position inside a graph) and gives it torch.compile's options for its device:
          weights are held beside the model's own (the eager prefill reads those): up to twice the weights' memory.
 
 The sizes that vary (rows, verify length, capacity) are symbolic from the first compile (`kv_cache.symbolic_sizes`),
-the verify length within a few ranges, one graph each, each tuned for its own lengths (`VERIFY_LENGTH_RANGES`; the
-engine compiles them all before its first step), so a prompt of another length or a row joining mid-answer costs no
-compile; on a GPU each new concrete size records
+so a prompt of another length or a row joining mid-answer costs no compile; on a GPU each new concrete size records
 a CUDA graph of the same compiled code. inductor caches what it compiled on disk (its FX graph and
 autotuning caches), so a second process starts faster. `$FLASHDRAFT_COMPILE` (a JSON object of torch.compile's
 keywords) replaces the options on either device.
@@ -177,30 +175,12 @@ class VerifyForward:
             False  # the engine compiled its graphs before the first step (engine._compile_ahead)
         )
         self._captured: dict[int, torch.Tensor] = {}
-        self.length_ranges = True  # the verify length symbolic within VERIFY_LENGTH_RANGES (False: unbounded)
         for layer_id in dict.fromkeys(self.taps):
             target.layers[layer_id].register_forward_hook(self._hook(layer_id))
         fn = self._forward
         if self.compiled:
             fn = compile_whole(fn, compile_options)
         self._fn = fn
-
-    def _compiled_call(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        mask: torch.Tensor,
-        cache: Any,
-        ranged: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        input_ids, position_ids, mask = fresh(input_ids), fresh(position_ids), fresh(mask)
-        length_dims = [(input_ids, 1), (position_ids, position_ids.dim() - 1), (mask, 2)]  # [4, b, n]: mrope
-        symbolic_sizes(input_ids, 0)  # rows
-        symbolic_sizes(position_ids, position_ids.dim() - 2)
-        symbolic_sizes(mask, 0, 3)  # rows, capacity
-        for t, dim in length_dims:
-            verify_length_range(t, dim) if ranged else symbolic_sizes(t, dim)
-        return _run_compiled(self._fn, f"{self.target.name}'s verify", input_ids, position_ids, mask, cache)
 
     def _hook(self, layer_id: int):
         def hook(_module, _args, output):
@@ -223,50 +203,18 @@ class VerifyForward:
         if not self.compiled:
             return self._forward(input_ids, position_ids, mask, cache)
         self._captured.clear()  # the hooks also fire in eager forwards (prefill): the graph always starts empty
-        if self.length_ranges:
-            try:
-                logits, taps = self._compiled_call(input_ids, position_ids, mask, cache, ranged=True)
-            except TargetError as e:
-                if "onstraint" not in str(e):  # not dynamo's "Constraints violated"
-                    raise
-                # This model's code specialises the verify length (it branches on it): plain symbolic sizes,
-                # a graph per length it branches on, as dynamo makes them.
-                self.length_ranges = False
-        if not self.length_ranges:
-            logits, taps = self._compiled_call(input_ids, position_ids, mask, cache, ranged=False)
+        input_ids, position_ids = fresh(input_ids), fresh(position_ids)
+        symbolic_sizes(input_ids, 0, 1)  # rows, verify length
+        symbolic_sizes(
+            position_ids, *((0, 1) if position_ids.dim() == 2 else (1, 2))
+        )  # [4, b, n]: multimodal RoPE
+        symbolic_sizes(mask, 0, 2, 3)  # rows, verify length, capacity
+        logits, taps = _run_compiled(
+            self._fn, f"{self.target.name}'s verify", input_ids, position_ids, mask, cache
+        )
         self._captured.clear()  # the graph's own memory: not held past the call
         # A replayed graph writes its outputs into the same memory next time: keep copies.
         return logits.clone(), None if taps is None else taps.clone()
-
-
-# The verify length is symbolic within each range, one graph per range. A graph's GEMM kernels are chosen (inductor's
-# autotuning on a CPU) for the length it is first compiled at: one graph for every length, tuned at 2 tokens, verified
-# 8 and 16 tokens at 3.2x and 5.8x the cost of 4 (SmolLM2 bf16 after 256 tokens, 2-core AMD EPYC with avx512_bf16:
-# 43.8 / 81.9 ms against 13.5), and the graph of 5-64 tokens, tuned at 8, at 1.8x and 2.1x (29.5 / 35.4 ms). One
-# token is a graph of its own anyway (dynamo specialises sizes of 1); past 64 the short-query attention gives way to
-# SDPA.
-VERIFY_LENGTH_RANGES = ((2, 4), (5, 64), (65, 1 << 20))
-
-
-def verify_length_range(t: torch.Tensor, dim: int) -> None:
-    """Mark the verify length (`t`'s size at `dim`) symbolic within its range of `VERIFY_LENGTH_RANGES`."""
-    n = t.shape[dim]
-    for low, high in VERIFY_LENGTH_RANGES:
-        if low <= n <= high:
-            torch._dynamo.mark_dynamic(t, dim, min=low, max=high)
-            return
-
-
-def first_lengths_of_ranges(block_size: int, buckets: Sequence[int] | None) -> list[int]:
-    """The verify lengths that open each range a decoder of this block may verify (one token first): what the engine
-    compiles before its first step, so no graph is compiled mid-answer."""
-    lengths = [1]
-    runs = [n for n in (buckets or range(1, block_size + 1)) if n <= block_size] + [block_size]
-    for low, high in VERIFY_LENGTH_RANGES:
-        inside = [n for n in runs if low <= n <= high]
-        if inside:
-            lengths.append(min(inside))
-    return lengths
 
 
 def verify_forward(target: Any, tap_layer_ids: Sequence[int]) -> VerifyForward:

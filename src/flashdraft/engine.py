@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .compiled import first_lengths_of_ranges, verify_forward
+from .compiled import verify_forward
 from .grammar import Constraint, RowGrammar, compile_constraint, mask_logits
 from .kv_cache import (
     VERIFY_BUCKETS,
@@ -242,9 +242,8 @@ class BatchDecoder:
         return row
 
     def _compile_ahead(self) -> None:
-        """Compiled: the verify's graphs with these taps (one token; one per range of lengths this decoder verifies,
-        `compiled.VERIFY_LENGTH_RANGES`) made now, so no step compiles mid-answer (the policy's first plain step, its
-        first long verify). Their columns
+        """Compiled: the verify's two graphs with these taps (one token; 2-64 tokens, symbolic) made now, so a step
+        that first verifies one token (the policy's plain step) does not compile mid-answer. Their columns
         are written past the valid length and dropped (a length moved back), as a rejected block's are."""
         if self.verify.compiled_ahead:
             return
@@ -253,7 +252,7 @@ class BatchDecoder:
         device = self.target.device
         last = torch.tensor([r.tokens[-1] for r in self.rows], device=device)[:, None]
         starts = torch.tensor([r.anchor_position for r in self.rows], device=device)
-        for n in first_lengths_of_ranges(self.block_size, self.verify_buckets):
+        for n in (1, 2):
             self.forward_block(last.expand(-1, n), starts[:, None] + torch.arange(n, device=device))
             set_length(self.cache, columns)
 
