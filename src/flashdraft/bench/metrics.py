@@ -111,16 +111,22 @@ class SampleRecord:
     def tpot_s(self) -> float | None:
         return time_per_output_token(self.decode_s, self.decode_tokens)
 
+    def step_summary(self) -> dict[str, Any]:
+        """The slowest decode step (its index and seconds) and the median step; empty when steps were not timed."""
+        if not self.step_s:
+            return {}
+        slowest = max(range(len(self.step_s)), key=self.step_s.__getitem__)
+        return {"slowest_step": slowest, "slowest_step_s": self.step_s[slowest],
+                "median_step_s": _median(self.step_s)}  # fmt: skip
+
     def to_dict(self, with_outputs: bool = False) -> dict[str, Any]:
         d = asdict(self)
         d.pop("output_ids")
         d.pop("output_text")
-        steps = d.pop("step_s")
+        d.pop("step_s")
         d["total_s"] = self.total_s
         d["tpot_s"] = self.tpot_s
-        if steps:
-            slowest = max(range(len(steps)), key=steps.__getitem__)
-            d.update(slowest_step=slowest, slowest_step_s=steps[slowest], median_step_s=_median(steps))
+        d.update(self.step_summary())
         if with_outputs:
             d["output_ids"] = self.output_ids
             d["output_text"] = self.output_text
@@ -141,11 +147,10 @@ def stalls(records: Sequence[SampleRecord]) -> list[dict[str, Any]]:
     """The turns with a stalled decode step (`STALL_RATIO`), slowest first: where a compile happened mid-answer."""
     found = []
     for r in records:
-        d = r.to_dict()
-        slow, median = d.get("slowest_step_s"), d.get("median_step_s")
-        if slow is not None and slow >= max(STALL_MIN_S, STALL_RATIO * median):
-            found.append({k: d[k] for k in ("dataset", "conversation_id", "turn", "method", "slowest_step",
-                                            "slowest_step_s", "median_step_s", "decode_s")})  # fmt: skip
+        steps = r.step_summary()
+        if steps and steps["slowest_step_s"] >= max(STALL_MIN_S, STALL_RATIO * steps["median_step_s"]):
+            found.append({"dataset": r.dataset, "conversation_id": r.conversation_id, "turn": r.turn,
+                          "method": r.method, **steps, "decode_s": r.decode_s})  # fmt: skip
     return sorted(found, key=lambda x: -x["slowest_step_s"])
 
 
