@@ -77,16 +77,22 @@ def scripted(
     """The cost-aware proposer without prompt lookup and priced by `costs` alone, its drafter reporting `confidence`
     for every slot (and proposing the tokens of `truth`, the whole greedy sequence, when given)."""
     proposer = BatchedDFlashProposer(draft, target, costs, lookup=False, online_costs=False)
-    real = proposer.draft_rows
+    real, real_more = proposer.draft_rows, proposer.draft_more_slots
 
-    def fake(rows):
-        tokens, probs = real(rows)
+    def script(rows, tokens, probs):
         n = tokens.shape[1]
         if truth is not None:
             tokens = torch.tensor([(truth[row.anchor_position + 1 :] + [0] * n)[:n] for row in rows])
         return tokens, torch.full_like(probs, confidence)
 
-    proposer.draft_rows = fake
+    def fake(rows, slots=None):
+        proposer._scripted_rows = rows
+        return script(rows, *real(rows, slots))
+
+    def fake_more(tokens, probs):  # the head over the other slots (the lazy head): scripted the same
+        return script(proposer._scripted_rows, *real_more(tokens, probs))
+
+    proposer.draft_rows, proposer.draft_more_slots = fake, fake_more
     return proposer
 
 
@@ -116,6 +122,30 @@ def test_policy_verifies_the_full_block_when_sure(tiny):
     assert res.proposer_stats["steps_by_source"]["dflash"] == sum(r > 1 for r in remaining)
     assert res.draft_lengths == [min(7, r - 1) for r in remaining]
     assert res.new_tokens == reference.new_tokens and res.mean_acceptance_length > 7
+
+
+@pytest.mark.parametrize("confidence", [0.5, 0.999])
+def test_the_draft_head_covers_the_slots_a_verify_could_use(tiny, confidence):
+    """The drafter's LM head runs first over the slots whose verify costs at most two plain steps (here 2 of 7:
+    verifying 4+ tokens costs 2.5), and over the others only when, even as sure as the last slot, they could make a
+    longer verify pay: never when the drafter is unsure, and then the policy verifies them. Output as plain."""
+    target, draft = tiny
+    ids = torch.arange(3, 20)[None]
+    costs = CostModel(
+        lengths=[1, 3, 4, 8], verify_base=[1.0, 1.0, 2.5, 2.5], verify_slope=[0.0] * 4, draft_base=0.01
+    )
+    reference = generate_ar(target, ids, 40, stop_token_ids=[])
+    truth = ids[0].tolist() + reference.new_tokens
+    proposer = scripted(target, draft, costs, confidence, truth if confidence > 0.9 else None)
+    head, rows = proposer.head_logits, []
+    proposer.head_logits = lambda hidden: rows.append(hidden.shape[0]) or head(hidden)
+    res = generate(target, proposer, ids, 40, stop_token_ids=[])
+    assert res.new_tokens == reference.new_tokens
+    assert rows and rows[0] == 2  # the first slots alone
+    if confidence == 0.5:  # a third slot could never pay: the head never ran over the others
+        assert set(rows) == {2} and max(res.draft_lengths) <= 2
+    else:  # sure: the other 5 slots at every pass but the last ones (2 drafts left to verify), and 7 verified
+        assert rows.count(5) >= rows.count(2) - 2 >= 3 and max(res.draft_lengths) == 7
 
 
 def test_measured_costs_are_positive_and_cover_the_block(tiny):

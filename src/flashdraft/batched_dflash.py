@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 # "pq": at T > 0, drafts sampled from the drafter's distribution and verified by speculative sampling.
 DRAFT_SAMPLING = ("match", "pq")
 MAX_SKIP_STEPS = 32
+# The drafter's LM head covers first the slots whose verify costs at most this many plain steps (`_first_slots`).
+LAZY_HEAD_PRICE = 2.0
 # Draft trees: candidates kept per block slot (the drafter's own draft and the slot's next most likely tokens).
 TREE_WIDTH = 4
 
@@ -61,8 +63,9 @@ class BatchedDFlashProposer(BatchProposer):
     `block_size=None` (auto): per step, prompt lookup for each row (free), the drafter (one pass for all rows) or
     a plain step, and the shared verify length n maximising the batch's expected tokens per second,
     sum_i E_i(n) / (t_draft(b) + t_verify(b * n)), under the measured cost model. The drafter always drafts its
-    full trained block (the non-causal drafter proposes differently with fewer mask slots); after the pass, each row
-    keeps its draft or its lookup match, whichever is expected to give more. When drafting does not beat plain
+    full trained block (the non-causal drafter proposes differently with fewer mask slots), and its LM head first
+    over the slots a verify could cheaply use, over the others only if they could pay (`_first_slots`); after the
+    pass, each row keeps its draft or its lookup match, whichever is expected to give more. When drafting does not beat plain
     steps, it is skipped for 1, 2, 4, .. steps between probes (lookup still fills them), so it comes back as soon as
     the text becomes predictable again. An integer `block_size` drafts and verifies that many tokens (anchor
     included) every step.
@@ -150,6 +153,7 @@ class BatchedDFlashProposer(BatchProposer):
         self.tree = None if self.tree_note is not None else tree
         self.tree_window = None if self.tree is None else tree_window(target)
         self._candidates: tuple[torch.Tensor, torch.Tensor] | None = None  # the last pass's slot candidates
+        self._pass: tuple[torch.Tensor, torch.Tensor] | None = None  # the last pass's hidden, anchors
         self._trees: list[DraftTree | None] = []  # per row: its last proposal as a tree (None: a chain)
         self.tree_steps: list[int] = []  # per row: how many of its steps verified a tree
 
@@ -206,9 +210,10 @@ class BatchedDFlashProposer(BatchProposer):
 
     # -------------------------------------------------------------- the draft pass
     @torch.no_grad()
-    def draft_rows(self, rows: list[BatchRow]) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft_rows(self, rows: list[BatchRow], slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(greedy drafts [b, B-1], the drafter's confidence in each) for every row, in one forward; on the device
-        (a fixed block goes to the verify without a stop on the host)."""
+        (a fixed block goes to the verify without a stop on the host). `slots`: the LM head over the first `slots`
+        slots only (drafts [b, slots]); `draft_more_slots` adds the others from the same pass."""
         device = self.target.device
         b, block = len(rows), self.max_block_size
         lengths = [0 if p is None else p.shape[0] for p in self.pending]
@@ -252,8 +257,10 @@ class BatchedDFlashProposer(BatchProposer):
         self.pending = [None] * b
         self._compact()
         # Slot k predicts the token at anchor + k; slot 0's output is unused.
-        logits = self.head_logits(hidden[:, 1:].reshape(b * (block - 1), -1)).view(b, block - 1, -1)
-        tokens, confidence = self.draft.propose_tokens(hidden[:, 1:], logits, anchors)
+        self._pass = (hidden, anchors)
+        slots = block - 1 if slots is None else min(slots, block - 1)
+        logits = self.head_logits(hidden[:, 1 : 1 + slots].reshape(b * slots, -1)).view(b, slots, -1)
+        tokens, confidence = self.draft.propose_tokens(hidden[:, 1 : 1 + slots], logits, anchors)
         if self.tree is not None:
             self._candidates = slot_candidates(logits, tokens, confidence, TREE_WIDTH)
         if self.draft.candidate_selector is None:  # constrained greedy rows: drafts the grammar allows
@@ -276,6 +283,38 @@ class BatchedDFlashProposer(BatchProposer):
                 tokens[i] = drawn
                 self._drafted_q[i] = q
         return tokens, confidence
+
+    @torch.no_grad()
+    def draft_more_slots(self, tokens: torch.Tensor, confidence: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The last pass's drafts and confidences [b, k] completed to every slot: the LM head over the slots after
+        the first k (a greedy v1 drafter's slots are independent argmaxes)."""
+        hidden, anchors = self._pass
+        b, have = tokens.shape
+        rest = hidden[:, 1 + have :]
+        logits = self.head_logits(rest.reshape(b * rest.shape[1], -1)).view(b, rest.shape[1], -1)
+        more, sure = self.draft.propose_tokens(rest, logits, anchors)
+        more, sure = more.to(tokens.device), sure.to(confidence.device)
+        return torch.cat([tokens, more], 1), torch.cat([confidence, sure], 1)
+
+    def _first_slots(self, rows: list[BatchRow], context: int) -> int | None:
+        """How many slots the LM head covers first (None: all): on a CPU the head over a block's 15 slots cost 1.5x
+        its cost over 4 (SmolLM2-135M's 49152 x 576 head, compiled, bf16: 7.9 against 5.8 ms on a 2-core AMD EPYC,
+        a third of a DFlash step), and a verify long enough to use the other slots is priced there at several plain
+        steps, so the policy rarely takes them; the first slots are those whose verify costs at most
+        `LAZY_HEAD_PRICE` plain steps. Only where the slots are independent argmaxes and serve a chain: a v1
+        drafter, no draft trees, no grammar (its steering reads every slot), no sampled (p/q) drafts."""
+        if self.costs is None or self.tree is not None or self.draft.candidate_selector is not None:
+            return None
+        if any(r.grammar is not None or (self.sampled_drafts and not r.sampling.greedy) for r in rows):
+            return None
+        b, slots = len(rows), self.max_block_size - 1
+        drafts = torch.arange(1, slots + 1)
+        lengths = self._padded(drafts + 1)
+        price = self.costs.verify_s(b * lengths, context) * self._verify_ratios(b, lengths)
+        plain = self.costs.verify_s(b * self._padded(torch.ones(1, dtype=torch.long)), context)
+        cheap = (price <= LAZY_HEAD_PRICE * plain * self._verify_ratio(b)).nonzero()
+        first = int(cheap[-1]) + 1 if len(cheap) else 1
+        return None if first >= slots else first
 
     def draft_probs(self, index: int) -> torch.Tensor | None:
         return self._q[index]
@@ -376,30 +415,33 @@ class BatchedDFlashProposer(BatchProposer):
             return out
 
         t0 = time.perf_counter()
-        tokens, confidence = self.draft_rows(rows)
+        first = self._first_slots(rows, context)
+        tokens, confidence = self.draft_rows(rows, first)
         tokens, confidence = tokens.cpu(), confidence.cpu()  # the policy reads them on the host
         predicted = self.costs.draft_batch_s(b, context)
         if self.online_costs and b > 1:  # the first measurement counts at once, as for the verify
             ratio = (time.perf_counter() - t0) / max(predicted, 1e-9) / self._verify_ratio(b)
             self.draft_ratio = ratio if self.draft_ratio is None else _ema(self.draft_ratio, ratio)
-        keys = confidence_keys(confidence, self.calibration.confidence_bins)
-        choices = []  # per row: (source, tokens, keys, expected tokens by proposals verified, tree)
-        for i, (row, m) in enumerate(zip(rows, max_drafts, strict=True)):
-            tree = self._tree_for(i, row, m, self.tree or 0)
-            if tree is not None:
-                candidate = ("dflash", tree.tokens, tree.keys, tree.expected_tokens(), tree)
-            else:
-                p_draft = self.calibration.draft.p(keys[i, :m])
-                candidate = ("dflash", tokens[i, :m], keys[i, :m], expected_tokens(p_draft), None)
-            proposal, lkeys = lookups[i]
-            if len(proposal) and (lookup_expected := expected_tokens(lookup_probs[i]))[-1] > candidate[3][-1]:
-                candidate = ("lookup", torch.tensor(proposal, dtype=torch.long), lkeys, lookup_expected, None)
-            choices.append(candidate)
         draft_s = self.costs.draft_batch_s(b, context)
         if b > 1:
             draft_s *= (self.draft_ratio or 1.0) * self._verify_ratio(b)
+        choices = self._choices(rows, max_drafts, tokens, confidence, lookups, lookup_probs)
         longest = max(top, *(len(c[3]) - 1 for c in choices))  # a tree may hold more nodes than its depth
         n, rate = self._batch_rate([c[3] for c in choices], draft_s, context, longest)
+        if first is not None and top > first:
+            # The other slots could only pay if, even with each of them as sure as the last one drafted (a slot is
+            # accepted only after every slot before it, so its chance is at most the last one's), some longer
+            # verify beat this choice: then the head covers them too and the choice is made again.
+            bound = [
+                _extended(c[3], m - first) if c[0] == "dflash" and m > first else c[3]
+                for c, m in zip(choices, max_drafts, strict=True)
+            ]
+            if self._batch_rate(bound, draft_s, context, top)[1] > rate:
+                tokens, confidence = self.draft_more_slots(tokens, confidence)
+                tokens, confidence = tokens.cpu(), confidence.cpu()
+                choices = self._choices(rows, max_drafts, tokens, confidence, lookups, lookup_probs)
+                longest = max(top, *(len(c[3]) - 1 for c in choices))
+                n, rate = self._batch_rate([c[3] for c in choices], draft_s, context, longest)
         self.draft_rate = rate if self.draft_rate is None else 0.5 * self.draft_rate + 0.5 * rate
         # Skipping compares with plain steps only: a lookup match is this step's luck, taken whenever it wins, not a
         # reason to stop drafting.
@@ -420,6 +462,32 @@ class BatchedDFlashProposer(BatchProposer):
             self._q[i] = q[: len(toks[:n])] if source == "dflash" and q is not None else None
             out.append(toks[:n])
         return out
+
+    def _choices(
+        self,
+        rows: list[BatchRow],
+        max_drafts: list[int],
+        tokens: torch.Tensor,
+        confidence: torch.Tensor,
+        lookups: list[tuple[list[int], torch.Tensor]],
+        lookup_probs: list[torch.Tensor],
+    ) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, DraftTree | None]]:
+        """Per row: (source, tokens, keys, expected tokens by proposals verified, tree): its draft (a chain, or a
+        tree) or its lookup match, whichever is expected to give more."""
+        keys = confidence_keys(confidence, self.calibration.confidence_bins)
+        choices = []
+        for i, (row, m) in enumerate(zip(rows, max_drafts, strict=True)):
+            tree = self._tree_for(i, row, m, self.tree or 0)
+            if tree is not None:
+                candidate = ("dflash", tree.tokens, tree.keys, tree.expected_tokens(), tree)
+            else:
+                p_draft = self.calibration.draft.p(keys[i, :m])
+                candidate = ("dflash", tokens[i, :m], keys[i, :m], expected_tokens(p_draft), None)
+            proposal, lkeys = lookups[i]
+            if len(proposal) and (lookup_expected := expected_tokens(lookup_probs[i]))[-1] > candidate[3][-1]:
+                candidate = ("lookup", torch.tensor(proposal, dtype=torch.long), lkeys, lookup_expected, None)
+            choices.append(candidate)
+        return choices
 
     def _padded(self, tokens_per_row: torch.Tensor) -> torch.Tensor:
         """The verify lengths that really run for these proposed ones (their buckets)."""
@@ -476,6 +544,13 @@ class BatchedDFlashProposer(BatchProposer):
             table = self.calibration.draft if source == "dflash" else self.calibration.lookup
             table.update(keys, n, a)
             self._last[i] = None
+
+
+def _extended(expected: torch.Tensor, more: int) -> torch.Tensor:
+    """An upper bound on the expected tokens `expected` [k + 1] (by proposals verified) would reach with `more`
+    further proposals: each accepted with the chance the last one had of being reached and accepted."""
+    last = expected[-1] - expected[-2] if len(expected) > 1 else expected.new_zeros(())
+    return torch.cat([expected, expected[-1] + last * torch.arange(1, more + 1)])
 
 
 def _ema(old: float, new: float, keep: float = 0.8) -> float:
