@@ -425,9 +425,13 @@ class BatchedDFlashProposer(BatchProposer):
         draft_s = self.costs.draft_batch_s(b, context)
         if b > 1:
             draft_s *= (self.draft_ratio or 1.0) * self._verify_ratio(b)
-        choices = self._choices(rows, max_drafts, tokens, confidence, lookups, lookup_probs)
-        longest = max(top, *(len(c[3]) - 1 for c in choices))  # a tree may hold more nodes than its depth
-        n, rate = self._batch_rate([c[3] for c in choices], draft_s, context, longest)
+
+        def choose(tokens: torch.Tensor, confidence: torch.Tensor) -> tuple[list, int, float]:
+            choices = self._choices(rows, max_drafts, tokens, confidence, lookups, lookup_probs)
+            longest = max(top, *(len(c[3]) - 1 for c in choices))  # a tree may hold more nodes than its depth
+            return choices, *self._batch_rate([c[3] for c in choices], draft_s, context, longest)
+
+        choices, n, rate = choose(tokens, confidence)
         if first is not None and top > first:
             # The other slots could only pay if, even with each of them as sure as the last one drafted (a slot is
             # accepted only after every slot before it, so its chance is at most the last one's), some longer
@@ -438,10 +442,7 @@ class BatchedDFlashProposer(BatchProposer):
             ]
             if self._batch_rate(bound, draft_s, context, top)[1] > rate:
                 tokens, confidence = self.draft_more_slots(tokens, confidence)
-                tokens, confidence = tokens.cpu(), confidence.cpu()
-                choices = self._choices(rows, max_drafts, tokens, confidence, lookups, lookup_probs)
-                longest = max(top, *(len(c[3]) - 1 for c in choices))
-                n, rate = self._batch_rate([c[3] for c in choices], draft_s, context, longest)
+                choices, n, rate = choose(tokens.cpu(), confidence.cpu())
         self.draft_rate = rate if self.draft_rate is None else 0.5 * self.draft_rate + 0.5 * rate
         # Skipping compares with plain steps only: a lookup match is this step's luck, taken whenever it wins, not a
         # reason to stop drafting.
