@@ -287,7 +287,6 @@ def test_the_compiled_draft_head_gives_the_eager_head_s_logits_for_any_number_of
 
     torch.manual_seed(0)
     options = compile_options(torch.device("cpu"))
-    options["options"]["max_autotune_gemm_backends"] = "CPP"  # the template, not a timing's choice
     target = SimpleNamespace(compile_options=options, model=torch.nn.Module())
     config = SimpleNamespace(output_multiplier=0.5, final_logit_softcapping=3.0)
     weight, bias = torch.randn(300, 48), torch.randn(300)
@@ -305,6 +304,7 @@ def test_the_compiled_draft_head_gives_the_eager_head_s_logits_for_any_number_of
     assert counters["stats"]["unique_graphs"] == 1
     assert counters["inductor"]["cpp_templated_kernel_counter"] == 1
     assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == 1  # frozen: a constant, packed
+    assert counters["inductor"]["select_algorithm_autotune"] == 0  # the template, not a timing's choice
     target.compile_options = None
     assert draft_head(config, weight, bias, target) is None  # an eager verify: the eager head
 
@@ -321,9 +321,6 @@ def test_inductor_s_one_token_step_decodes_as_plain_decoding(monkeypatch):
     prompt = list(range(5, 30))
     target = Target(model)
     assert compile_verify(target) is None
-    target.compile_options["options"]["max_autotune_gemm_backends"] = (
-        "CPP"  # the template, not a timing's choice
-    )
     counters.clear()
     draft = DFlashDraftModel.for_target(model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1)
     with torch._inductor.config.patch(fx_graph_cache=False):  # compiled here, so the counters see it
@@ -341,7 +338,52 @@ def test_inductor_s_one_token_step_decodes_as_plain_decoding(monkeypatch):
         counters["inductor"]["cpp_templated_kernel_counter"]
         >= 2 * (7 * model.config.num_hidden_layers + 1) + 8
     )
+    assert (
+        counters["inductor"]["select_algorithm_autotune"] == 0
+    )  # one kernel per GEMM, never a timing's choice
     assert len(model._flashdraft_draft_heads) == 1  # the draft head the engine compiled beside them
+
+
+def _bf16_gemm_instructions() -> bool:
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+@pytest.mark.skipif(
+    not _bf16_gemm_instructions(), reason="inductor's bf16 GEMM template needs avx512_bf16 or AMX"
+)
+def test_the_compiled_bf16_verify_gives_a_token_the_same_bits_at_any_length():
+    """Batch invariance of the compiled bf16 CPU verify: a token's logits are the same bits whether it is verified
+    alone or as one of 2 to 8 tokens, and whether the graph taps layers for a drafter (DFlash's verify) or not
+    (plain decoding's step). At SmolLM2's widths, bf16 eager decoding and the compiled graphs through oneDNN's GEMM
+    both give other bits to a token in a longer verify, and inductor's choice between them by timing gave two
+    graphs different kernels (compiled.one_gemm_choice): bf16 outputs then differed from plain decoding on near-ties."""
+    from flashdraft.measure import static_decoder
+    from flashdraft.proposers import NoProposer
+
+    model = tiny_model(
+        "llama", layers=2, hidden_size=576, intermediate_size=1536, max_position_embeddings=256
+    ).to(torch.bfloat16)
+    target = Target(model)
+    assert compile_verify(target) is None
+    draft = DFlashDraftModel.for_target(model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1)
+    ids = torch.randint(3, VOCAB - 1, (1, 48), generator=torch.Generator().manual_seed(0))
+    start = 40
+    with torch.no_grad():
+        drafting = static_decoder(target, draft.eval(), ids[:, :start], dtype="bfloat16")  # taps the layers
+        assert drafting.verify.taps
+        plain = BatchDecoder(target, PerRowProposers(NoProposer))
+        plain.add(ids[0, :start].tolist(), 2, SamplingParams(), stop_token_ids=[], seed=0)
+        assert not plain.verify.taps and plain.verify is not drafting.verify
+        steps = []  # plain decoding's one-token steps over ids[start:], each after the last one's column
+        for i in range(8):
+            out = plain.forward_block(ids[:, start + i : start + i + 1], torch.tensor([[start + i]]))
+            steps.append(out.logits[0, 0])
+            plain.valid = torch.cat([plain.valid, torch.ones(1, 1, dtype=torch.bool)], 1)
+        for n in (1, 2, 3, 4, 8):
+            out = drafting.forward_block(ids[:, start : start + n], torch.arange(start, start + n)[None])
+            target.crop(drafting.cache, start)
+            for i in range(n):
+                assert torch.equal(out.logits[0, i], steps[i]), f"token {i} of a verify of {n}"
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -8,7 +8,7 @@ position inside a graph) and gives it torch.compile's options for its device:
          compiled step's dynamo cache lookup took 243 us, a tenth of a 2.5 ms verify).
     CPU  inductor's C++ kernels with the weights frozen into the graph (`freezing`: constants, prepacked), every
          linear through inductor's own C++ GEMM template (`max_autotune_gemm` with the `CPP` backend, ATen's GEMM
-         its alternative: bf16 on a CPU without bf16 instructions has no template and takes ATen's), and dynamo's
+         where it has none: bf16 on a CPU without bf16 instructions; `one_gemm_choice`), and dynamo's
          guards on the model's modules skipped (the target is frozen; checking its ~2,000 module guards cost 1.5 ms
          a step, and keeping only those on which module it is still 1 ms). `freezing` must also be set while dynamo traces
          (`compile_whole`): given through torch.compile's options alone it froze nothing (the engine's graphs ran
@@ -16,8 +16,8 @@ position inside a graph) and gives it torch.compile's options for its device:
          far from the memory bandwidth; the template runs near it. On a 2-core AMD EPYC (avx2), the fp32 LM head of
          SmolLM2 (49152 x 576) over 15 rows took 25 ms through MKL, 25 ms packed by oneDNN and 8 ms through the
          template (4 ms over 1 to 4 rows: 29 GB/s); the verify of 4 / 16 tokens after 256 went from 57 / 92 ms
-         (oneDNN packed) to 36 / 75 ms in one process (benchmarks/README.md). The autotuning of each GEMM shape
-         (template against ATen) costs about 20 s at the first compile and is cached on disk. Frozen, the packed
+         (oneDNN packed) to 36 / 75 ms in one process (benchmarks/README.md). The template is taken without timing
+         it against ATen's GEMM: a timing's choice differed between graphs, and so did bf16 bits. Frozen, the packed
          weights are held beside the model's own (the eager prefill reads those): up to twice the weights' memory.
 
 The sizes that vary (rows, verify length, capacity) are symbolic from the first compile (`kv_cache.symbolic_sizes`),
@@ -138,14 +138,48 @@ def compile_whole(fn: Any, compile_options: dict[str, Any]) -> Any:
 
     from torch._inductor import config as inductor_config
 
+    _register_one_gemm_choice()
+
     def frozen(*args: Any) -> Any:
         # dynamo reads inductor's global `freezing` when it traces (it decides whether the parameters become
         # constants of the graph); the options given to torch.compile reach inductor alone, so through them
         # nothing was frozen or packed
-        with inductor_config.patch(freezing=True):
-            return compiled(*args)
+        _THREAD.one_gemm_choice = True
+        try:
+            with inductor_config.patch(freezing=True):
+                return compiled(*args)
+        finally:
+            _THREAD.one_gemm_choice = False
 
     return frozen
+
+
+def _register_one_gemm_choice() -> None:
+    """Once per process, `one_gemm_choice` among inductor's autotuning filters (it acts only inside the frozen
+    graphs' compiles, `compile_whole`)."""
+    if getattr(_register_one_gemm_choice, "done", False):
+        return
+    from torch._inductor import select_algorithm
+
+    select_algorithm.add_preprocessing_fn(one_gemm_choice)
+    _register_one_gemm_choice.done = True
+
+
+def one_gemm_choice(choices: list[Any]) -> list[Any]:
+    """inductor's candidate kernels for one GEMM of a frozen CPU graph, cut to one: its C++ template where it has
+    one, else the first (ATen's). inductor's own choice times the candidates when each graph compiles, so two graphs
+    of the same model (the verify with and without the drafter's taps, the one-token step and the verify) could
+    take different kernels for the same linear, whose bf16 sums round differently: on a 2-core AMD EPYC
+    (avx512_bf16) 5 of 16 outputs of one bench run differed from plain decoding on near-ties, none in the run
+    before. The template sums each row alone in the same order at any row count, so one choice gives a token the
+    same bits at any verify length, in any graph and process (benchmarks/README.md, 2026-11-27), and no graph
+    spends its compile timing kernels."""
+    if not getattr(_THREAD, "one_gemm_choice", False) or len(choices) < 2:
+        return choices
+    from torch._inductor.select_algorithm import ExternKernelCaller
+
+    templates = [c for c in choices if not isinstance(c, ExternKernelCaller)]  # on a CPU: the C++ template
+    return (templates or choices)[:1]
 
 
 def fresh_options(compile_options: dict[str, Any]) -> dict[str, Any]:
