@@ -350,3 +350,103 @@ def test_bench_runs_an_image_set_with_every_output_equal_and_time_to_first_token
     assert [s["turn"] for s in samples] == [0, 0, 1] and all(s["prompt_tokens"] > 16 for s in samples)
     for s in results["summary"]["images"].values():
         assert s["ttft_s"] > 0
+
+
+def test_training_rows_with_images_regenerate_pack_and_train_on_what_the_target_saw(llava_on_disk, tmp_path):
+    """Issue 35, item 4: an image+question JSONL regenerates through the image-text target (its answers are plain
+    greedy decoding of the image prompt), each sequence records its image files and hashes (no pixels), the
+    trainer's features over a sequence see the image as the engine's prefill does, packs keep the records, and a
+    drafter trains on them. A bad image skips its row; a changed one stops training with one line naming it."""
+    import shutil
+
+    from flashdraft.data import DataError, regenerate
+    from flashdraft.train import TrainConfig, Trainer
+    from flashdraft.training_data import TrainingData, compute_features, pack_data
+
+    root = llava_on_disk
+    target = load_target(str(root / "target"), dtype="float32", device="cpu")
+    shutil.copy(root / "cat.png", tmp_path / "cat.png")
+    shutil.copy(root / "broken.png", tmp_path / "broken.png")
+    rows = [
+        {"id": "cat", "question": "what is this", "images": ["cat.png"]},
+        {"id": "text", "question": "describe the picture please"},
+        {"id": "bad", "question": "what is this", "images": "broken.png"},
+    ]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    manifest = regenerate(target, prompts, tmp_path / "data", max_new_tokens=N, progress=False)
+    assert manifest["counts"]["sequences"] == 2 and manifest["counts"]["skipped_by_reason"] == {
+        "bad_image": 1
+    }
+
+    data = TrainingData(tmp_path / "data")
+    row = data.ids.index("prompts:cat")
+    item = data[row]
+    prompt = encode_image_prompt(target, "what is this", [tmp_path / "cat.png"])
+    n = prompt.input_ids.shape[1]
+    assert item["input_ids"][:n].tolist() == prompt.input_ids[0].tolist()
+    answer = item["input_ids"][n:].tolist()
+    assert answer == hf_generate(target.model, prompt)[: len(answer)] and len(answer) >= 1
+    assert item["loss_mask"].sum() == len(answer) and not item["loss_mask"][:n].any()
+    ref = item["images"][0]
+    assert ref["path"] == str(tmp_path / "cat.png") and len(ref["sha256"]) == 64
+    assert "images" not in data[data.ids.index("prompts:text")]
+
+    # the trainer's features: what the engine's prefill of the image prompt taps, then the answer after it
+    taps = [0, 1]
+    ids = item["input_ids"][None]
+    from flashdraft.training_data import image_inputs
+
+    trained = target.features(ids, taps, image_inputs(target, item, ids, "cat"))
+    prefill = target.forward(prompt.input_ids, None, taps, inputs=prompt.inputs).features
+    torch.testing.assert_close(trained[:, :n], prefill, rtol=1e-5, atol=1e-5)
+    blind = target.features(ids, taps)  # the placeholders' embeddings instead of the image: not what it saw
+    assert not torch.allclose(blind[:, :n], prefill, atol=1e-3)
+
+    packed = TrainingData(pack_data(tmp_path / "data", tmp_path / "data.npz") and tmp_path / "data.npz")
+    assert packed[row]["images"] == item["images"] and packed[row]["image_text"] == item["image_text"]
+    features = compute_features(
+        target, tmp_path / "data", tmp_path / "features", taps, "float32", progress=False
+    )
+    assert features["complete"]
+    torch.testing.assert_close(TrainingData(tmp_path / "features")[row]["features"][None], trained)
+
+    vocab = target.vocab_size
+    config = TrainConfig(out_dir=str(tmp_path / "run"), num_layers=1, block_size=4, num_anchors=8, lr=3e-3,
+                         epochs=6, batch_size=2, mask_token_id=vocab - 1, progress=False, save_every=10**9,
+                         intermediate_size=64, target_layer_ids=taps)  # fmt: skip
+    history = Trainer(target, packed, config).fit()
+    assert history[-1]["loss"] < history[0]["loss"]
+
+    picture(9, 50, 40).save(tmp_path / "cat.png")  # another image under the same name
+    with pytest.raises(DataError, match=r"cat\.png: changed since the data was regenerated"):
+        Trainer(target, packed, TrainConfig(**{**config.__dict__, "out_dir": str(tmp_path / "again")})).fit()
+
+
+def test_cli_regenerates_and_trains_on_image_rows(llava_on_disk, tmp_path):
+    """`data regenerate`, `data features` and `train` load an image-text target whole when their rows carry images."""
+    import shutil
+
+    root = llava_on_disk
+    shutil.copy(root / "cat.png", tmp_path / "cat.png")
+    (tmp_path / "p.jsonl").write_text(
+        json.dumps({"id": "cat", "question": "what is this", "image": "cat.png"}) + "\n"
+    )
+    target = ["--target", str(root / "target")]
+    steps = [
+        ["data", "regenerate", *target, "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "data"),
+         "--max-new-tokens", str(N)],
+        ["data", "features", *target, "--data", str(tmp_path / "data"), "--out", str(tmp_path / "data"),
+         "--layers", "0,1", "--dtype", "bfloat16"],
+        ["train", *target, "--data", str(tmp_path / "data"), "--out", str(tmp_path / "run"), "--num-layers", "1",
+         "--block-size", "4", "--num-anchors", "4", "--epochs", "1", "--batch-size", "1", "--intermediate-size", "64",
+         "--target-layer-ids", "0,1", "--device", "cpu", "--eval-datasets", ""],
+    ]  # fmt: skip
+    for args in steps:
+        done = subprocess.run(
+            [sys.executable, "-m", "flashdraft", *args], capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, (args[:2], done.stderr[-2000:])
+    sequence = json.loads((tmp_path / "data" / "shard-00000.jsonl").read_text().splitlines()[1])
+    assert sequence["images"][0]["path"].endswith("cat.png") and "<image>" in sequence["image_text"]
+    assert (tmp_path / "run" / "train_log.jsonl").read_text().strip()

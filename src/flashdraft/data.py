@@ -11,7 +11,10 @@ On-disk layout of a data directory (everything is written to a temporary name an
 * ``shard-NNNNN.jsonl``: one shard per chunk of finished prompts. Line 1 is a header
   ``{"header": {"done": [prompt keys], "skipped": {reason: [keys]}, "stats": {...}}}``; every further line is a
   sequence ``{"id", "source", "input_ids": [int], "loss_mask": [0|1]}``. The headers are the only record of which
-  prompts are finished, so a killed run loses at most the chunk it was working on.
+  prompts are finished, so a killed run loses at most the chunk it was working on. A sequence whose prompt had
+  images (an image+question record, image-text targets) also holds ``"images": [{"path", "sha256"}]`` and
+  ``"image_text"`` (what the processor was given): no pixels; the trainer redoes the image prefill from the files
+  (`multimodal.sequence_image_inputs`) and stops with one line if a file is gone or changed.
 
 Each sequence is exactly ``prompt ids + generated ids``: the prompt as the target's chat template tokenises it (what
 `Target.encode_prompt` feeds the target at inference), followed by the ids the target generated, up to and including
@@ -243,14 +246,20 @@ class _ConvState:
     records: list[dict[str, Any]] = field(default_factory=list)
     active: bool = True
     finished: bool = False
+    images: list[dict[str, str]] | None = (
+        None  # the prompt's image files and hashes (`multimodal.image_refs`)
+    )
+    prompt: Any = None  # this turn's `ImagePrompt` (pixels for the generation, the processor's text)
+    image_text: str | None = None  # the processor's text of the prompt that starts the current sequence
 
     def emit(self) -> None:
         if self.seq is not None:
             n = len(self.records)
             rid = self.item.key if n == 0 else f"{self.item.key}/{n}"
-            self.records.append(
-                {"id": rid, "source": self.item.source, "input_ids": self.seq, "loss_mask": self.mask}
-            )
+            record = {"id": rid, "source": self.item.source, "input_ids": self.seq, "loss_mask": self.mask}
+            if self.images:  # what the trainer needs to redo this sequence's image prefill
+                record.update(images=self.images, image_text=self.image_text)
+            self.records.append(record)
             self.seq = self.mask = None
 
 
@@ -258,6 +267,21 @@ def _template_ids(
     target: Any, messages: list[dict[str, str]], thinking: bool | None, system: str | None
 ) -> list[int]:
     return target.encode_prompt(messages, enable_thinking=thinking, system=system)[0].tolist()
+
+
+def _image_prompt(st: _ConvState, target: Any, messages: list[dict[str, str]], thinking, system) -> list[int]:
+    """The ids of a turn of a conversation with images (all placed before the first user turn's text), through
+    the target's processor; the `ImagePrompt` is kept on `st` for the generation and the record."""
+    from .multimodal import encode_image_prompt
+
+    first, *rest = messages
+    parts = [*({"type": "image"} for _ in st.images), {"type": "text", "text": first["content"]}]
+    kwargs = {} if thinking is None else {"enable_thinking": thinking}
+    paths = [ref["path"] for ref in st.images]
+    st.prompt = encode_image_prompt(
+        target, [{"role": "user", "content": parts}, *rest], paths, system, kwargs
+    )
+    return st.prompt.input_ids[0].tolist()
 
 
 def _pad_id(target: Any, eos: Sequence[int]) -> int:
@@ -278,8 +302,10 @@ def _generate_batch(
     top_p: float,
     eos: Sequence[int],
     pad_id: int,
+    inputs: dict[str, Any] | None = None,
 ) -> list[list[int]]:
-    """Batched `model.generate` with left padding; each answer cut after its first stop token (included)."""
+    """Batched `model.generate` with left padding; each answer cut after its first stop token (included).
+    `inputs`: an image prompt's pixels and the like (`ImagePrompt.inputs`), for a batch of that one prompt."""
     from transformers import GenerationConfig
 
     width = max(len(p) for p in prompts)
@@ -302,8 +328,15 @@ def _generate_batch(
     if sampling:  # reproducible for a given batch, whatever ran before it
         seed = zlib.crc32(json.dumps([list(p) for p in prompts]).encode())
         torch.manual_seed(seed)
+    if inputs:
+        from .multimodal import check_prompt_inputs
+
+        inputs = check_prompt_inputs(target, inputs)
     out = target.model.generate(
-        input_ids=ids.to(target.device), attention_mask=attn.to(target.device), generation_config=gen_config
+        input_ids=ids.to(target.device),
+        attention_mask=attn.to(target.device),
+        generation_config=gen_config,
+        **(inputs or {}),
     )
     stops = set(eos)
     answers = []
@@ -350,6 +383,16 @@ def _process_chunk(
         st.emit()
         reporter.advance(1, rate())
 
+    for st in states:
+        if st.item.conversation.meta.get("images"):
+            from .multimodal import ImageError, image_refs
+
+            try:
+                st.images = image_refs(st.item.conversation.meta["images"])
+            except ImageError as e:  # this prompt is skipped (counted in the header), the others go on
+                log.warning("%s: skipped: %s", st.item.key, e)
+                finish(st, "bad_image")
+
     for turn in range(max_turns):
         pending: list[tuple[_ConvState, list[int], list[dict[str, str]]]] = []
         for st in states:
@@ -360,7 +403,10 @@ def _process_chunk(
                 continue
             messages = [*st.messages, {"role": "user", "content": st.turns[turn]}]
             conv_system = system if system is not None else st.item.conversation.system
-            ids = _template_ids(target, messages, thinking, conv_system)
+            if st.images:
+                ids = _image_prompt(st, target, messages, thinking, conv_system)
+            else:
+                ids = _template_ids(target, messages, thinking, conv_system)
             if len(ids) >= max_length:
                 finish(st, "too_long" if turn == 0 else None)
                 continue
@@ -379,8 +425,12 @@ def _process_chunk(
             _apply_turn(batch, turn, target, eos, max_length, stats, finish)
             continue
         pending.sort(key=lambda p: len(p[1]))  # similar lengths in a batch: less padding
-        for b in range(0, len(pending), batch_size):
-            group = pending[b : b + batch_size]
+        # an image prompt is a batch of its own (its pixels go with its ids); the others batch together
+        groups = [[p] for p in pending if p[0].images]
+        text = [p for p in pending if not p[0].images]
+        groups += [text[b : b + batch_size] for b in range(0, len(text), batch_size)]
+        for group in groups:
+            images = group[0][0].prompt.inputs if group[0][0].images else None
             gens = (answerer or functools.partial(_generate_batch, target))(
                 [ids for _, ids, _ in group],
                 max_new_tokens=settings["max_new_tokens"],
@@ -388,6 +438,7 @@ def _process_chunk(
                 top_p=settings["top_p"] or 1.0,
                 eos=eos,
                 pad_id=pad_id,
+                **({"inputs": images} if images else {}),
             )
             n_new = sum(len(g) for g in gens)
             stats["generated_tokens"] += n_new
@@ -416,6 +467,7 @@ def _apply_turn(batch, turn: int, target: Any, eos, max_length: int, stats: dict
         else:  # first turn, or a template that rewrites the history: a new sequence
             st.emit()
             st.mask = [0] * len(ids) + [1] * len(gen)
+            st.image_text = st.prompt.text if st.images else None
         st.seq = ids + gen
         if len(st.seq) > max_length:
             st.seq, st.mask = st.seq[:max_length], st.mask[:max_length]
@@ -549,6 +601,16 @@ def regenerate(
         prompt_suffix = resolve_prompt_suffix(prompt_suffix)
         settings["prompt_suffix"] = prompt_suffix
     items = load_prompts(prompt_files, shuffle_seed=shuffle_seed, limit=limit)
+    with_images = sum(1 for item in items if item.conversation.meta.get("images"))
+    if with_images and (answerer is not None or not getattr(target, "takes_images", False)):
+        why = (
+            "a --backend server is sent token ids only"
+            if answerer is not None
+            else (f"target {target.name} is a text-only model")
+        )
+        raise DataError(
+            f"{with_images} prompt(s) carry images, but {why}: they regenerate through an image-text target"
+        )
     if prompt_suffix:
         for item in items:
             turns = item.conversation.user_turns

@@ -56,14 +56,16 @@ class TargetShape:
 
 
 def target_shape(config: Any, name: str = "target") -> TargetShape:
-    """Count the target's parameters by building it on the meta device (no memory, no weights)."""
-    from transformers import AutoModelForCausalLM
+    """Count the target's parameters by building it on the meta device (no memory, no weights); an image-text
+    model that has no text-only class (LLaVA, Qwen3-VL, ...) whole, vision tower included, as it is loaded."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from .target import _find_decoder_layers
+    from .target import _causal_lm_class, _find_decoder_layers, image_text_class
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    whole = image_text_class(config) is not None and not _causal_lm_class(config)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = (AutoModelForImageTextToText if whole else AutoModelForCausalLM).from_config(config)
     layers = _find_decoder_layers(model, int(text.num_hidden_layers))
     layer_params = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     total = sum(p.numel() for p in model.parameters())  # tied embeddings counted once

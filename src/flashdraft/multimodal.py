@@ -10,6 +10,8 @@ the placeholder positions, like any other context.
     as_prompt          token ids, an `ImagePrompt` or a processor's output (a mapping with `input_ids`) -> ids, inputs
     load_image         a file path, a `data:` URL, bytes or a PIL image -> an RGB image, or one clear `ImageError`
     encode_image_prompt   text or chat messages + images -> an `ImagePrompt`, through the processor's chat template
+    image_refs / sequence_image_inputs   a training row's images: recorded as files and hashes, and the prefill's
+                       inputs redone from them for the trainer (`data.regenerate`, `Target.features`)
 
 Multimodal RoPE (Qwen-VL, Qwen3.5, GLM-4V) counts an image's tokens as fewer positions than it has tokens, so the text
 after it sits at shifted positions; the engine keeps that shift per row (`Target.rope_offset`) and gives the model
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,10 +44,12 @@ class ImageError(TargetError):
 @dataclass
 class ImagePrompt:
     """A prompt with images, as the engine prefills it: `input_ids` [1, n] (each image a run of placeholder tokens)
-    and `inputs`, the processor's other outputs for the model's forward (pixel_values, image_grid_thw, ...)."""
+    and `inputs`, the processor's other outputs for the model's forward (pixel_values, image_grid_thw, ...); `text`,
+    what the processor was given (its chat template's output), where `encode_image_prompt` made it."""
 
     input_ids: torch.Tensor
     inputs: dict[str, Any] = field(default_factory=dict)
+    text: str | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -208,7 +213,61 @@ def encode_image_prompt(
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ImageError(f"the processor of {target.name} refused the images: {first}") from None
     ids, inputs = as_prompt(dict(encoded))
-    return ImagePrompt(ids.long(), inputs or {})
+    return ImagePrompt(ids.long(), inputs or {}, text)
+
+
+# -------------------------------------------------------------------------------------------------- training rows
+def image_refs(images: Sequence[str]) -> list[dict[str, str]]:
+    """How a training sequence records its images: each file's path and the sha256 of its bytes. No pixels are
+    stored (a data set stays token ids); the trainer reads the files again (`sequence_image_inputs`), and the hash
+    tells it when a file is no longer the one the target answered."""
+    refs = []
+    for source in images:
+        if source.startswith(("data:", "http://", "https://")):
+            raise ImageError(f"image {source[:40]}...: training rows take image files, not URLs")
+        path = Path(source).expanduser()
+        load_image(path, name=str(path))  # readable, an image, within limits: refused now, not mid-training
+        refs.append({"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()})
+    return refs
+
+
+def sequence_image_inputs(
+    target: Target, input_ids: torch.Tensor, images: Sequence[dict[str, str]], text: str
+) -> dict[str, Any]:
+    """The processor's other outputs (pixels, image grids, token types) for a stored training sequence [1, S] whose
+    prompt had `images` (`image_refs`) and was the processor's `text`: the forward over the whole sequence then
+    sees the images as the target did when it answered. Per-token inputs cover the answer too (text tokens: 0).
+    An image file that is missing or changed, or a processor that no longer gives the stored prompt ids, is one
+    `ImageError`."""
+    if not target.takes_images or target.processor is None:
+        raise ImageError(f"target {target.name} is a text-only model: the data holds image prompts")
+    pictures = []
+    for ref in images:
+        path = Path(ref["path"])
+        if not path.is_file():
+            raise ImageError(f"image {path}: no such file (the data set refers to it)")
+        if hashlib.sha256(path.read_bytes()).hexdigest() != ref["sha256"]:
+            raise ImageError(f"image {path}: changed since the data was regenerated (its sha256 differs)")
+        pictures.append(load_image(path))
+    encoded = target.processor(text=[text], images=pictures, return_tensors="pt")
+    prompt_ids, inputs = as_prompt(dict(encoded))
+    n = prompt_ids.shape[1]
+    if n > input_ids.shape[1]:
+        raise ImageError(
+            f"a sequence's image prompt is {n} tokens, more than the {input_ids.shape[1]} trained on: raise "
+            "max_length"
+        )
+    if not torch.equal(prompt_ids[0].long().cpu(), input_ids[0, :n].cpu()):
+        raise ImageError(
+            f"the processor of {target.name} no longer gives the stored prompt's token ids for images "
+            f"{', '.join(Path(r['path']).name for r in images)}: regenerate the data with this target"
+        )
+    out = {}
+    for key, value in (inputs or {}).items():
+        if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape == prompt_ids.shape:
+            value = torch.nn.functional.pad(value, (0, input_ids.shape[1] - n))
+        out[key] = value
+    return check_prompt_inputs(target, out) or {}
 
 
 __all__ = [
@@ -218,5 +277,7 @@ __all__ = [
     "check_prompt_inputs",
     "encode_image_prompt",
     "image_messages",
+    "image_refs",
     "load_image",
+    "sequence_image_inputs",
 ]

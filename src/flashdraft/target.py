@@ -342,10 +342,21 @@ class Target:
         return TargetOutput(logits=logits.float(), features=features)
 
     @torch.no_grad()
-    def features(self, input_ids: torch.Tensor, tap_layer_ids: Sequence[int]) -> torch.Tensor:
+    def features(
+        self, input_ids: torch.Tensor, tap_layer_ids: Sequence[int], inputs: dict[str, Any] | None = None
+    ) -> torch.Tensor:
         """The tapped features alone (training): runs the decoder stack without the LM head, which on bf16 CPUs
         would also copy the whole head weight on every call. (Stopping the forward early by raising from a hook
-        crashed gloo DDP workers now and then, so the few layers above the deepest tap still run.)"""
+        crashed gloo DDP workers now and then, so the few layers above the deepest tap still run.) With `inputs`
+        (a sequence whose prompt had images: `multimodal.sequence_image_inputs`) the whole model runs, vision tower
+        included, its head over the last token only where the model allows."""
+        if inputs:
+            kwargs = dict(inputs, use_cache=False)
+            if self._logits_to_keep_arg:
+                kwargs[self._logits_to_keep_arg] = 1
+            with self._taps(tap_layer_ids) as captured:
+                self.model(input_ids=input_ids, **kwargs)
+            return self._concat_taps(captured, tap_layer_ids)
         get_decoder = getattr(self.model, "get_decoder", None)
         decoder = get_decoder() if callable(get_decoder) else None
         with self._taps(tap_layer_ids) as captured:

@@ -50,6 +50,7 @@ from .model import DFlashDraftModel
 from .progress import progress_bar
 from .sharding import is_sharded, shard_drafter
 from .target import Target
+from .training_data import image_inputs
 
 # ---------------------------------------------------------------------------------------------- the trainer
 
@@ -290,9 +291,12 @@ class Trainer:
                     "the KL term needs the target's own distribution: train with online features"
                 )
             return item["features"][: self.cfg.max_length].to(self.device, torch.float32), None
+        images = image_inputs(
+            self.target, item, ids[None], "with images"
+        )  # its pixels, redone from the files
         if self.cfg.kl_weight <= 0:
-            return self.target.features(ids[None], taps)[0].float(), None
-        both = self.target.features(ids[None], [*taps, self.target.num_layers - 1])[0].float()
+            return self.target.features(ids[None], taps, images)[0].float(), None
+        both = self.target.features(ids[None], [*taps, self.target.num_layers - 1], images)[0].float()
         h = self.target.hidden_size
         return both[:, : len(taps) * h], both[:, len(taps) * h :]
 
@@ -313,7 +317,8 @@ class Trainer:
         mb = [row for row in mb if row[2] > 0]
         if not mb:
             return
-        if not self.cfg.padded_batches or len(mb) == 1 or self.cfg.kl_weight > 0 or "features" in mb[0][0]:
+        one_by_one = len(mb) == 1 or self.cfg.kl_weight > 0 or "features" in mb[0][0]
+        if not self.cfg.padded_batches or one_by_one or any("images" in item for item, _, _ in mb):
             for item, blocks, n in mb:
                 features, last_hidden = self._features(item)
                 with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16):

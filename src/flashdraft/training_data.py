@@ -41,11 +41,15 @@ log = logging.getLogger(__name__)
 # ============================================================================================ reading
 
 
-def _read_sequences(data_dir: Path) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
-    """ids, offsets [n+1], flat input ids (int64), flat loss mask (bool) of every sequence in the shards."""
+def _read_sequences(
+    data_dir: Path,
+) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, dict[int, dict[str, Any]]]:
+    """ids, offsets [n+1], flat input ids (int64), flat loss mask (bool) of every sequence in the shards, and the
+    image records of the sequences whose prompt had images (by row: `images`, `image_text`)."""
     ids: list[str] = []
     tokens: list[list[int]] = []
     masks: list[list[int]] = []
+    images: dict[int, dict[str, Any]] = {}
     for path in shard_paths(data_dir):
         with open(path, encoding="utf-8") as f:
             for line_no, line in enumerate(f, 1):
@@ -53,6 +57,8 @@ def _read_sequences(data_dir: Path) -> tuple[list[str], np.ndarray, np.ndarray, 
                     continue
                 try:
                     r = json.loads(line)
+                    if "images" in r:
+                        images[len(ids)] = {"images": r["images"], "image_text": r["image_text"]}
                     ids.append(r["id"])
                     tokens.append(r["input_ids"])
                     masks.append(r["loss_mask"])
@@ -63,7 +69,7 @@ def _read_sequences(data_dir: Path) -> tuple[list[str], np.ndarray, np.ndarray, 
     np.cumsum(lengths, out=offsets[1:])
     flat_ids = np.fromiter((t for seq in tokens for t in seq), dtype=np.int64, count=int(offsets[-1]))
     flat_mask = np.fromiter((m for seq in masks for m in seq), dtype=bool, count=int(offsets[-1]))
-    return ids, offsets, flat_ids, flat_mask
+    return ids, offsets, flat_ids, flat_mask, images
 
 
 # A packed data set: one compressed file any machine (or a lent GPU) can train from at once, instead of a directory
@@ -89,6 +95,7 @@ def pack_data(data_dir: str | Path, out: str | Path) -> dict[str, Any]:
         "offsets": data._offsets,
         "input_ids": data._ids_flat.astype(dtype),
         "loss_mask": np.packbits(data._mask_flat),
+        "images": np.array(json.dumps({str(row): meta for row, meta in data._images.items()})),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, lambda tmp: _save_npz(tmp, arrays))
@@ -100,8 +107,11 @@ def _save_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
         np.savez_compressed(f, **arrays)
 
 
-def _read_packed(path: Path) -> tuple[dict[str, Any], list[str], np.ndarray, np.ndarray, np.ndarray]:
-    """manifest, ids, offsets, flat input ids (int64), flat loss mask (bool) of a packed data set."""
+def _read_packed(
+    path: Path,
+) -> tuple[dict[str, Any], list[str], np.ndarray, np.ndarray, np.ndarray, dict[int, dict[str, Any]]]:
+    """manifest, ids, offsets, flat input ids (int64), flat loss mask (bool) and image records (by row) of a
+    packed data set."""
     try:
         with np.load(path, allow_pickle=False) as z:
             if str(z["format"]) != PACKED_FORMAT:
@@ -112,11 +122,12 @@ def _read_packed(path: Path) -> tuple[dict[str, Any], list[str], np.ndarray, np.
             mask_flat = np.unpackbits(z["loss_mask"], count=n).astype(bool)
             manifest = json.loads(str(z["manifest"]))
             ids = str(z["ids"]).split("\n") if len(offsets) > 1 else []
+            images = json.loads(str(z["images"])) if "images" in z.files else {}  # packs before images: none
     except (OSError, ValueError, KeyError, EOFError) as e:
         raise DataError(f"cannot read packed data {path}: {e}") from None
     if len(ids) != len(offsets) - 1 or len(ids_flat) != n:
         raise DataError(f"packed data {path} is inconsistent (ids, offsets and tokens disagree)")
-    return manifest, ids, offsets, ids_flat, mask_flat
+    return manifest, ids, offsets, ids_flat, mask_flat, {int(row): meta for row, meta in images.items()}
 
 
 class TrainingData(torch.utils.data.Dataset):
@@ -124,7 +135,8 @@ class TrainingData(torch.utils.data.Dataset):
     packed data set (`pack_data`: one `.npz` file).
 
     Items are ``{"input_ids": LongTensor[S], "loss_mask": BoolTensor[S]}``, plus ``"features"``
-    ``Tensor[S, T*H]`` when `path` holds offline features (``features=False`` ignores them).
+    ``Tensor[S, T*H]`` when `path` holds offline features (``features=False`` ignores them), and ``"images"``
+    (files and hashes) with ``"image_text"`` for a sequence whose prompt had images (`image_inputs`).
     """
 
     def __init__(self, path: str | Path, *, features: bool = True) -> None:
@@ -136,7 +148,9 @@ class TrainingData(torch.utils.data.Dataset):
         self._handles: dict[str, Any] = {}
         if path.is_file() and path.suffix == ".npz":
             self.data_dir = None
-            self._manifest, self.ids, self._offsets, self._ids_flat, self._mask_flat = _read_packed(path)
+            self._manifest, self.ids, self._offsets, self._ids_flat, self._mask_flat, self._images = (
+                _read_packed(path)
+            )
             self._rows = list(range(len(self.ids)))
             return
         if not path.is_dir():
@@ -156,7 +170,9 @@ class TrainingData(torch.utils.data.Dataset):
         self._manifest = read_json(self.data_dir / MANIFEST)
         if self._manifest.get("format") != FORMAT:
             raise DataError(f"{self.data_dir / MANIFEST} is not a flashdraft data manifest")
-        self.ids, self._offsets, self._ids_flat, self._mask_flat = _read_sequences(self.data_dir)
+        self.ids, self._offsets, self._ids_flat, self._mask_flat, self._images = _read_sequences(
+            self.data_dir
+        )
         self._rows = list(range(len(self.ids)))
         if self.features_manifest is not None:
             self._attach_features()
@@ -190,6 +206,11 @@ class TrainingData(torch.utils.data.Dataset):
         return self._manifest
 
     @property
+    def has_images(self) -> bool:
+        """Whether some sequence's prompt had images (the target must then be loaded with its vision tower)."""
+        return bool(self._images)
+
+    @property
     def has_features(self) -> bool:
         return self._feature_loc is not None
 
@@ -214,6 +235,8 @@ class TrainingData(torch.utils.data.Dataset):
         if self._feature_loc is not None:
             file, off = self._feature_loc[index]
             item["features"] = self._handle(file).get_slice("features")[off : off + (b - a)]
+        if row in self._images:
+            item.update(self._images[row])
         return item
 
     def _handle(self, file: str) -> Any:
@@ -235,6 +258,19 @@ class TrainingData(torch.utils.data.Dataset):
 
 
 # ============================================================================================ offline features
+
+
+def image_inputs(target: Any, item: dict[str, Any], ids: torch.Tensor, sid: str) -> dict[str, Any] | None:
+    """The image prefill's inputs for a sequence `item` whose prompt had images, over its ids [1, S] as trained
+    (`multimodal.sequence_image_inputs`); None for a text sequence. A missing or changed image is a `DataError`."""
+    if "images" not in item:
+        return None
+    from .multimodal import ImageError, sequence_image_inputs
+
+    try:
+        return sequence_image_inputs(target, ids, item["images"], item["image_text"])
+    except ImageError as e:
+        raise DataError(f"sequence {sid}: {e}") from None
 
 
 def _feature_shards(directory: Path) -> list[dict[str, Any]]:
@@ -386,8 +422,9 @@ def compute_features(
         progress, total=len(data.ids), completed=len(data.ids) - len(todo), label="features"
     ) as rep:
         for row in todo:
-            ids = data[row]["input_ids"].unsqueeze(0).to(target.device)
-            feats = target.features(ids, layer_ids)
+            item = data[row]
+            ids = item["input_ids"].unsqueeze(0).to(target.device)
+            feats = target.features(ids, layer_ids, image_inputs(target, item, ids, data.ids[row]))
             buf.append(feats[0].to(dtype).cpu())
             buf_ids.append(data.ids[row])
             buf_tokens += lengths[row]

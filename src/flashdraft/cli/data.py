@@ -29,12 +29,12 @@ def _make_app():
         Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/bold red] {message}", highlight=False)
         raise typer.Exit(1)
 
-    def load(name: str, dtype: str | None = None):
+    def load(name: str, dtype: str | None = None, images: bool = False):
         from ..packs import PackError
         from ..target import TargetError, load_target
 
-        try:
-            return load_target(name, dtype=dtype)
+        try:  # images: an image-text checkpoint whole (a Qwen3.5 composite would load its language model alone)
+            return load_target(name, dtype=dtype, images=images or None)
         except (TargetError, PackError, OSError, ValueError) as e:
             fail(f"cannot load target {name!r}: {e}")
 
@@ -118,7 +118,7 @@ def _make_app():
         if backend == "openai" and not base_url:
             fail("--backend openai needs --base-url URL (e.g. http://127.0.0.1:8000)")
         try:  # bad prompt files fail fast, before the model loads
-            load_prompts(prompts, shuffle_seed=shuffle_seed, limit=limit)
+            items = load_prompts(prompts, shuffle_seed=shuffle_seed, limit=limit)
         except DataError as e:
             fail(str(e))
         answerer = None
@@ -141,7 +141,7 @@ def _make_app():
             )
             batch_size = max(batch_size, concurrency)
         else:
-            tgt = load(target, target_dtype)
+            tgt = load(target, target_dtype, any(item.conversation.meta.get("images") for item in items))
         try:
             manifest = regenerate(
                 tgt,
@@ -208,7 +208,13 @@ def _make_app():
                 raise typer.BadParameter(str(e), param_hint="--draft") from None
         if not (data / MANIFEST).exists():
             raise typer.BadParameter(f"{data} is not a data directory (no {MANIFEST})", param_hint="--data")
-        tgt = load(target)
+        from ..training_data import TrainingData
+
+        try:
+            images = TrainingData(data, features=False).has_images
+        except DataError as e:
+            fail(str(e))
+        tgt = load(target, images=images)
         try:
             manifest = compute_features(tgt, data, out, layer_ids, DTYPES[dtype])
         except DataError as e:
