@@ -450,3 +450,41 @@ def test_cli_regenerates_and_trains_on_image_rows(llava_on_disk, tmp_path):
     sequence = json.loads((tmp_path / "data" / "shard-00000.jsonl").read_text().splitlines()[1])
     assert sequence["images"][0]["path"].endswith("cat.png") and "<image>" in sequence["image_text"]
     assert (tmp_path / "run" / "train_log.jsonl").read_text().strip()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES), indirect=True)
+def test_training_features_of_image_sequences_are_what_decoding_taps_and_the_loss_falls(family, tmp_path):
+    """For every family (Qwen3.5 hybrid, Qwen3-VL and its multimodal RoPE, Gemma-3's bidirectional image attention
+    and sliding window, LLaVA): the trainer's one forward over an image prompt and the target's answer taps what
+    decoding taps (the prefill with the image, then the answer after it at the positions the engine gives), and a
+    drafter trains on such sequences (the Python API's form: the processor's outputs beside the ids)."""
+    from flashdraft.train import TrainConfig, Trainer
+    from flashdraft.training_data import image_inputs
+
+    model, _, prompts = family
+    target = Target(model)
+    taps = [0, target.num_layers - 1]
+    items = []
+    for prompt in prompts:
+        n = prompt.input_ids.shape[1]
+        answer = torch.tensor([hf_generate(model, prompt)])
+        ids = torch.cat([prompt.input_ids, answer], 1)
+        mask = torch.arange(ids.shape[1]) >= n
+        items.append(
+            {"input_ids": ids[0], "loss_mask": mask, "prompt_inputs": prompt.inputs, "prompt_length": n}
+        )
+        trained = target.features(ids, taps, image_inputs(target, items[-1], ids, "test"))
+        cache = target.new_cache()
+        prefill = target.forward(prompt.input_ids, cache, taps, inputs=prompt.inputs).features
+        offsets = torch.tensor([target.rope_offset(prompt.inputs)])
+        positions = target.model_positions(torch.arange(n, ids.shape[1])[None], offsets)
+        answered = target.forward(answer, cache, taps, position_ids=positions).features
+        torch.testing.assert_close(trained, torch.cat([prefill, answered], 1), rtol=1e-4, atol=1e-4)
+        blind = target.features(ids, taps)  # the placeholders' embeddings, no image
+        assert not torch.allclose(blind, trained, atol=1e-3)
+
+    config = TrainConfig(out_dir=str(tmp_path), num_layers=1, block_size=4, num_anchors=8, lr=3e-3, epochs=8,
+                         batch_size=2, mask_token_id=VOCAB - 1, progress=False, save_every=10**9,
+                         intermediate_size=64, target_layer_ids=taps)  # fmt: skip
+    history = Trainer(target, items * 2, config).fit()
+    assert history[-1]["loss"] < history[0]["loss"]

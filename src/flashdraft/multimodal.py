@@ -262,10 +262,16 @@ def sequence_image_inputs(
             f"the processor of {target.name} no longer gives the stored prompt's token ids for images "
             f"{', '.join(Path(r['path']).name for r in images)}: regenerate the data with this target"
         )
+    return covering(target, inputs or {}, n, input_ids.shape[1])
+
+
+def covering(target: Target, inputs: dict[str, Any], prompt_length: int, length: int) -> dict[str, Any]:
+    """An image prompt's inputs (its `prompt_length` tokens) for a forward over `length` tokens that start with it:
+    the per-token ones ([1, prompt_length]: token types) padded with 0, the text's type; the others as they are."""
     out = {}
-    for key, value in (inputs or {}).items():
-        if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape == prompt_ids.shape:
-            value = torch.nn.functional.pad(value, (0, input_ids.shape[1] - n))
+    for key, value in inputs.items():
+        if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape == (1, prompt_length):
+            value = torch.nn.functional.pad(value, (0, length - prompt_length))
         out[key] = value
     return check_prompt_inputs(target, out) or {}
 

@@ -318,7 +318,8 @@ class Trainer:
         if not mb:
             return
         one_by_one = len(mb) == 1 or self.cfg.kl_weight > 0 or "features" in mb[0][0]
-        if not self.cfg.padded_batches or one_by_one or any("images" in item for item, _, _ in mb):
+        images = any("images" in item or "prompt_inputs" in item for item, _, _ in mb)
+        if not self.cfg.padded_batches or one_by_one or images:
             for item, blocks, n in mb:
                 features, last_hidden = self._features(item)
                 with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16):

@@ -261,12 +261,21 @@ class TrainingData(torch.utils.data.Dataset):
 
 
 def image_inputs(target: Any, item: dict[str, Any], ids: torch.Tensor, sid: str) -> dict[str, Any] | None:
-    """The image prefill's inputs for a sequence `item` whose prompt had images, over its ids [1, S] as trained
-    (`multimodal.sequence_image_inputs`); None for a text sequence. A missing or changed image is a `DataError`."""
+    """The image prefill's inputs for a sequence `item` whose prompt had images, over its ids [1, S] as trained;
+    None for a text sequence. Stored sequences name their image files (`multimodal.sequence_image_inputs`; a
+    missing or changed file is a `DataError`); a dataset in memory may give the processor's outputs for its prompt
+    instead (`prompt_inputs`, an `ImagePrompt`'s inputs, with `prompt_length`, its tokens)."""
+    from .multimodal import ImageError, covering, sequence_image_inputs
+
+    if "prompt_inputs" in item:
+        n = int(item["prompt_length"])
+        if n > ids.shape[1]:
+            raise DataError(
+                f"sequence {sid}: its image prompt is {n} tokens, more than the {ids.shape[1]} trained on"
+            )
+        return covering(target, item["prompt_inputs"], n, ids.shape[1])
     if "images" not in item:
         return None
-    from .multimodal import ImageError, sequence_image_inputs
-
     try:
         return sequence_image_inputs(target, ids, item["images"], item["image_text"])
     except ImageError as e:
