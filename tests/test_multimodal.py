@@ -94,7 +94,23 @@ def llava(vocab: int = VOCAB, image_token: int = 90):
     return config, [make(0, (5,)), make(1, (5, 6, 7))]
 
 
-FAMILIES = {"qwen3_vl": qwen3_vl, "qwen3_5": qwen3_5, "gemma3": gemma3, "llava": llava}
+def idefics3():
+    """Idefics3 / SmolVLM: the image as patches of a pixel grid with its pixel mask, pixel-shuffled to 4 tokens."""
+    common = {k: v for k, v in _common(VOCAB).items() if k != "tie_word_embeddings"}
+    vision = tf.Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                     image_size=32, patch_size=8)  # fmt: skip
+    config = tf.Idefics3Config(text_config=tf.LlamaConfig(num_hidden_layers=3, **common), vision_config=vision,
+                               scale_factor=2, image_token_id=90)  # fmt: skip
+
+    def make(seed: int, before: tuple[int, ...]) -> ImagePrompt:
+        ids = torch.tensor([[1, *before] + [90] * 4 + [7, 8]])
+        pixels = torch.randn(1, 1, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+        return ImagePrompt(ids, {"pixel_values": pixels, "pixel_attention_mask": torch.ones(1, 1, 32, 32, dtype=torch.bool)})  # fmt: skip
+
+    return config, [make(0, (5,)), make(1, (5, 6, 7))]
+
+
+FAMILIES = {"qwen3_vl": qwen3_vl, "qwen3_5": qwen3_5, "gemma3": gemma3, "llava": llava, "idefics3": idefics3}
 
 
 @pytest.fixture(scope="module")
