@@ -504,3 +504,27 @@ def test_training_features_of_image_sequences_are_what_decoding_taps_and_the_los
                          intermediate_size=64, target_layer_ids=taps)  # fmt: skip
     history = Trainer(target, items * 2, config).fit()
     assert history[-1]["loss"] < history[0]["loss"]
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "gemma3", "llava"], indirect=True)
+def test_the_bench_weighs_a_flip_after_an_image_prompt_with_its_image(family):
+    """The near-tie test replays plain decoding and a verify with the prompt's image: the replay's argmax at each
+    position is the token plain decoding chose, the two replays agree to fp32's rounding (a replay without the
+    image would not), and a flip to the least likely token is unexplained."""
+    from types import SimpleNamespace
+
+    from flashdraft.bench.mismatches import UNEXPLAINED, plain_logits_at, weigh_flips
+
+    model, _, prompts = family
+    target = Target(model)
+    prompt = prompts[-1]
+    reference = hf_generate(model, prompt)
+    steps = plain_logits_at(target, prompt, reference, range(len(reference)))
+    assert [int(steps[i].argmax()) for i in range(len(reference))] == reference
+    for i in (0, 5):
+        low = int(steps[i].argmin())
+        (flip,) = weigh_flips(
+            target, prompt, reference, [(SimpleNamespace(first_mismatch=i), [*reference[:i], low])], 4
+        )
+        assert flip["verdict"] == UNEXPLAINED and flip["plain_argmax"] == reference[i], flip
+        assert flip["path_difference"] < 1e-3, flip

@@ -464,7 +464,7 @@ def _measure(
                                 records.append(rec)
                             flips = (
                                 weigh_flips(target, ids, ref.new_ids, differing, runner.block_size or 16)
-                                if greedy and not isinstance(ids, ImagePrompt)  # not weighed with images
+                                if greedy
                                 else [None] * len(differing)
                             )
                             mismatches += [

@@ -13,6 +13,9 @@ and the largest logit difference between the two at that position is the **path 
 computing the same position disagree in this dtype on this device. A flip is a **near-tie** when the plain margin is
 within the path difference (or the dtype's rounding of the largest logit); otherwise it is **unexplained**, which is
 what a bug looks like.
+
+An image prompt (`multimodal.ImagePrompt`) is replayed with its image: the prompt's prefill takes the processor's
+outputs (in the batched replay, covering the shared tokens after the prompt as well).
 """
 
 from __future__ import annotations
@@ -26,16 +29,30 @@ NEAR_TIE = "near-tie"
 UNEXPLAINED = "unexplained"
 
 
+def _prompt(target: Any, prompt: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+    """A prompt's token ids [1, n] and its image inputs ({} for text)."""
+    from ..multimodal import as_prompt
+
+    ids, inputs = as_prompt(prompt)
+    return ids[:1].cpu(), dict(inputs or {})
+
+
 @torch.inference_mode()
 def plain_logits_at(
-    target: Any, prompt_ids: torch.Tensor, reference_ids: list[int], positions: Sequence[int]
+    target: Any, prompt: Any, reference_ids: list[int], positions: Sequence[int]
 ) -> dict[int, torch.Tensor]:
     """The logits plain decoding chose `reference_ids[i]` from, for each i in `positions`: one replay of `ar`
-    (the prompt prefilled, then one token a step) as far as the last of them."""
+    (the prompt prefilled, with its images if it has any, then one token a step) as far as the last of them."""
+    from ..multimodal import check_prompt_inputs
+
     wanted, last, out = set(positions), max(positions), {}
     device = target.device
     cache = target.new_cache()
-    logits = target.forward(prompt_ids[:1].to(device), cache, last_logits_only=True).logits[0, -1]
+    ids, inputs = _prompt(target, prompt)
+    first = target.forward(
+        ids.to(device), cache, last_logits_only=True, inputs=check_prompt_inputs(target, inputs)
+    )
+    logits = first.logits[0, -1]
     for i in range(last + 1):
         if i in wanted:
             out[i] = logits
@@ -46,13 +63,24 @@ def plain_logits_at(
 
 
 @torch.inference_mode()
-def batched_logits(target: Any, prefix: torch.Tensor, block: int) -> torch.Tensor:
-    """The logits after `prefix` as a verify computes them: all but its last `block` tokens in one forward, then
-    those in one more."""
+def batched_logits(
+    target: Any,
+    prefix: torch.Tensor,
+    block: int,
+    inputs: dict[str, Any] | None = None,
+    prompt_length: int = 1,
+) -> torch.Tensor:
+    """The logits after `prefix` as a verify computes them: all but its last `block` tokens in one forward (with
+    the prompt's image `inputs`, which cover its first `prompt_length` tokens), then those in one more."""
+    from ..multimodal import covering
+
     n = prefix.shape[1]
-    k = max(1, min(block, n - 1))
+    k = min(block, n - max(1, prompt_length))
     cache = target.new_cache()
-    target.forward(prefix[:, : n - k], cache)
+    images = covering(target, inputs, prompt_length, n - k) if inputs else None
+    out = target.forward(prefix[:, : n - k], cache, inputs=images)
+    if k < 1:  # the first answer token: the prefill's own logits, as every method has them
+        return out.logits[0, -1]
     return target.forward(prefix[:, n - k :], cache).logits[0, -1]
 
 
@@ -75,12 +103,13 @@ def classify_flip(
 
 def weigh_flips(
     target: Any,
-    prompt_ids: torch.Tensor,
+    prompt: Any,
     reference_ids: list[int],
     differing: Sequence[tuple[Any, list[int]]],
     block: int,
 ) -> list[dict[str, Any] | None]:
-    """The near-tie test for every method output of one prompt that parts from the reference (`differing`: its
+    """The near-tie test for every method output of one prompt (token ids or an `ImagePrompt`) that parts from the
+    reference (`differing`: its
     record, with `first_mismatch`, and its tokens); None where an output only ends at another length (no token of
     the method's to weigh against the reference's). One replay of plain decoding serves them all."""
     tested = [
@@ -91,13 +120,15 @@ def weigh_flips(
     flips: list[dict[str, Any] | None] = [None] * len(differing)
     if not tested:
         return flips
-    steps = plain_logits_at(target, prompt_ids, reference_ids, [i for _, i, _ in tested])
+    steps = plain_logits_at(target, prompt, reference_ids, [i for _, i, _ in tested])
+    prompt_ids, inputs = _prompt(target, prompt)
     batched: dict[int, torch.Tensor] = {}
     for k, i, ids in tested:
         if i not in batched:
             shared = torch.tensor([reference_ids[:i]], dtype=torch.long).view(1, -1)
-            prefix = torch.cat([prompt_ids[:1].cpu(), shared], dim=1).to(target.device)
-            batched[i] = batched_logits(target, prefix, block)
+            prefix = torch.cat([prompt_ids, shared], dim=1).to(target.device)
+            length = prompt_ids.shape[1] if inputs else 1
+            batched[i] = batched_logits(target, prefix, block, inputs, length)
         flips[k] = classify_flip(steps[i], batched[i], reference_ids[i], ids[i], target.dtype)
     return flips
 
