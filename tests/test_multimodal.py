@@ -110,7 +110,35 @@ def idefics3():
     return config, [make(0, (5,)), make(1, (5, 6, 7))]
 
 
-FAMILIES = {"qwen3_vl": qwen3_vl, "qwen3_5": qwen3_5, "gemma3": gemma3, "llava": llava, "idefics3": idefics3}
+def gemma4():
+    """Gemma-4: per-layer input embeddings, the last layers reusing earlier layers' K/V, sliding and full layers,
+    bidirectional attention over the image, images as patches with their positions."""
+    text = tf.Gemma4TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=16,
+                               sliding_window=8, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
+                               num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 3,
+                               max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                               use_bidirectional_attention="vision")  # fmt: skip
+    vision = tf.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=2, head_dim=16, patch_size=8, pooling_kernel_size=2,
+                                   position_embedding_size=64)  # fmt: skip
+    config = tf.Gemma4Config(text_config=text, vision_config=vision, audio_config=None, image_token_id=90,
+                             boi_token_id=91, eoi_token_id=92, video_token_id=93, audio_token_id=94, boa_token_id=95,
+                             eoa_token_index=89)  # fmt: skip
+    processor = tf.Gemma4ImageProcessorPil(patch_size=8, max_soft_tokens=70, pooling_kernel_size=2)
+
+    def make(seed: int, before: tuple[int, ...]) -> ImagePrompt:
+        out = processor(images=[picture(seed, 48, 40)], return_tensors="pt")
+        ids = torch.tensor([[1, *before, 91] + [90] * int(out["num_soft_tokens_per_image"][0]) + [92, 7, 8]])
+        inputs = {"pixel_values": out["pixel_values"], "image_position_ids": out["image_position_ids"],
+                  "mm_token_type_ids": (ids == 90).long()}  # fmt: skip
+        return ImagePrompt(ids, inputs)
+
+    return config, [make(0, (5,)), make(1, (5, 6, 7))]
+
+
+FAMILIES = {"qwen3_vl": qwen3_vl, "qwen3_5": qwen3_5, "gemma3": gemma3, "gemma4": gemma4, "llava": llava,
+            "idefics3": idefics3}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -491,7 +519,9 @@ def test_training_features_of_image_sequences_are_what_decoding_taps_and_the_los
         )
         trained = target.features(ids, taps, image_inputs(target, items[-1], ids, "test"))
         cache = target.new_cache()
-        prefill = target.forward(prompt.input_ids, cache, taps, inputs=prompt.inputs).features
+        prefill = target.forward(
+            prompt.input_ids, cache, taps, True, inputs=prompt.inputs
+        ).features  # as the engine
         offsets = torch.tensor([target.rope_offset(prompt.inputs)])
         positions = target.model_positions(torch.arange(n, ids.shape[1])[None], offsets)
         answered = target.forward(answer, cache, taps, position_ids=positions).features

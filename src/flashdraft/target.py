@@ -331,7 +331,7 @@ class Target:
         if inputs:
             kwargs.update(inputs)
         if last_logits_only and self._logits_to_keep_arg:
-            kwargs[self._logits_to_keep_arg] = 1
+            kwargs[self._logits_to_keep_arg] = self._last_position(input_ids, tap_layer_ids)
         record = self.recurrent is not None and cache is not None and self._has_state(cache)
         with self._taps(tap_layer_ids) as captured, self._recording(cache, input_ids.shape[1], record):
             out = self.model(input_ids=input_ids, **kwargs)
@@ -353,7 +353,7 @@ class Target:
         if inputs:
             kwargs = dict(inputs, use_cache=False)
             if self._logits_to_keep_arg:
-                kwargs[self._logits_to_keep_arg] = 1
+                kwargs[self._logits_to_keep_arg] = self._last_position(input_ids, tap_layer_ids)
             with self._taps(tap_layer_ids) as captured:
                 self.model(input_ids=input_ids, **kwargs)
             return self._concat_taps(captured, tap_layer_ids)
@@ -362,6 +362,15 @@ class Target:
         with self._taps(tap_layer_ids) as captured:
             (decoder if isinstance(decoder, nn.Module) else self.model)(input_ids=input_ids, use_cache=False)
         return self._concat_taps(captured, tap_layer_ids)
+
+    @staticmethod
+    def _last_position(input_ids: torch.Tensor, tap_layer_ids: Sequence[int]) -> int | torch.Tensor:
+        """`logits_to_keep` for the last position's logits alone: 1, or with layers tapped that position as an
+        index tensor. Given the integer, Gemma-4 runs its KV-sharing layers (the last 20 of E2B's 35) over the
+        kept positions only, and a tap of one of those layers would hold one position instead of all of them."""
+        if not tap_layer_ids:
+            return 1
+        return torch.tensor([input_ids.shape[1] - 1], device=input_ids.device)
 
     def _concat_taps(self, captured: dict[int, torch.Tensor], tap_layer_ids: Sequence[int]) -> torch.Tensor:
         """[..., len(taps) * H] in tap order; the last layer gets the final norm, as HF `hidden_states[-1]`."""
