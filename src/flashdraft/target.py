@@ -366,8 +366,8 @@ class Target:
     @staticmethod
     def _last_position(input_ids: torch.Tensor, tap_layer_ids: Sequence[int]) -> int | torch.Tensor:
         """`logits_to_keep` for the last position's logits alone: 1, or with layers tapped that position as an
-        index tensor. Given the integer, Gemma-4 runs its KV-sharing layers (the last 20 of E2B's 35) over the
-        kept positions only, and a tap of one of those layers would hold one position instead of all of them."""
+        index tensor. Given the integer, Gemma-4 runs its KV-sharing layers (its last `num_kv_shared_layers`) over
+        the kept positions only, and a tap of one of those layers would hold one position instead of all of them."""
         if not tap_layer_ids:
             return 1
         return torch.tensor([input_ids.shape[1] - 1], device=input_ids.device)
