@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from .files import atomic_write, atomic_write_text
+from .progress import Reporter
 from .prompts import Conversation, PromptFormatError, load_conversations
 
 log = logging.getLogger(__name__)
@@ -194,43 +195,6 @@ def load_prompts(
     if limit is not None:
         items = items[:limit]
     return items
-
-
-# ============================================================================================ progress
-
-
-class Reporter:
-    """A rich progress bar over prompts (or sequences) plus plain status lines (visible in logs too)."""
-
-    def __init__(self, enabled: bool, total: int, completed: int, label: str) -> None:
-        self.enabled = enabled
-        self.label = label
-        self.progress = None
-        if enabled:
-            from .progress import progress_bar
-
-            self.progress = progress_bar()
-            self.task = self.progress.add_task(label, total=total, completed=completed)
-
-    def __enter__(self) -> Reporter:
-        if self.progress is not None:
-            self.progress.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-
-    def advance(self, n: int, rate: str | None = None) -> None:
-        if self.progress is not None:
-            desc = f"{self.label} ({rate})" if rate else self.label
-            self.progress.update(self.task, advance=n, description=desc)
-
-    def note(self, message: str) -> None:
-        if self.progress is not None:
-            self.progress.console.print(message, markup=False, highlight=False)
-        else:
-            log.info(message)
 
 
 # ============================================================================================ regeneration

@@ -7,6 +7,7 @@ most one every `interval_s` seconds, and one when it finishes.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
@@ -151,3 +152,35 @@ def busy_machine_warning(device_type: str, threads: int) -> str | None:
         else ""
     )
     return f"the machine is busy (load {load:.1f} on {cores} cores): timings will be noisy{hint}"
+
+
+class Reporter:
+    """A rich progress bar over prompts (or sequences) plus plain status lines (visible in logs too)."""
+
+    def __init__(self, enabled: bool, total: int, completed: int, label: str) -> None:
+        self.enabled = enabled
+        self.label = label
+        self.progress = None
+        if enabled:
+            self.progress = progress_bar()
+            self.task = self.progress.add_task(label, total=total, completed=completed)
+
+    def __enter__(self) -> Reporter:
+        if self.progress is not None:
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+    def advance(self, n: int, rate: str | None = None) -> None:
+        if self.progress is not None:
+            desc = f"{self.label} ({rate})" if rate else self.label
+            self.progress.update(self.task, advance=n, description=desc)
+
+    def note(self, message: str) -> None:
+        if self.progress is not None:
+            self.progress.console.print(message, markup=False, highlight=False)
+        else:
+            logging.getLogger(__name__).info(message)

@@ -680,26 +680,3 @@ def image_text_class(config: Any) -> str | None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(getattr(config, "model_type", None))
-
-
-def choose_mask_token_id(tokenizer: Any, embedding_rows: int) -> int:
-    """A mask id for a new drafter. Its embedding row stays frozen, so it must be a token chat never produces:
-    an unused row past the tokenizer if there is one (as Qwen3's 151669), else an added special token that
-    neither the chat template nor bos/eos/pad use (e.g. SmolLM2's `<repo_name>`), else the last row."""
-    n_tok = len(tokenizer) if tokenizer is not None else embedding_rows
-    if embedding_rows > n_tok:
-        return n_tok
-    if tokenizer is not None:
-        used = {
-            tokenizer.bos_token_id,
-            tokenizer.eos_token_id,
-            tokenizer.pad_token_id,
-            tokenizer.unk_token_id,
-        }
-        template = str(getattr(tokenizer, "chat_template", "") or "")
-        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-        for tid, token in sorted(added.items()):
-            content = getattr(token, "content", str(token))
-            if tid not in used and content not in template and 0 <= tid < embedding_rows:
-                return int(tid)
-    return embedding_rows - 1

@@ -23,7 +23,6 @@ from .data import (
     FORMAT,
     MANIFEST,
     DataError,
-    Reporter,
     next_shard_index,
     open_manifest,
     package_version,
@@ -34,6 +33,7 @@ from .data import (
     write_json,
 )
 from .files import atomic_write
+from .progress import Reporter
 from .target import DTYPES
 
 log = logging.getLogger(__name__)

@@ -60,9 +60,9 @@ def init_draft(
     """Write a fresh, untrained drafter sized for a target (z-lab checkpoint format)."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from ..config import choose_mask_token_id
     from ..model import DFlashDraftModel
     from ..packs import resolve_model
-    from ..target import choose_mask_token_id
 
     path = resolve_model(target)
     target_config = AutoConfig.from_pretrained(path)
@@ -354,8 +354,9 @@ def train_command(
     """Train a DFlash drafter on regenerated data (`flashdraft data regenerate`), then evaluate τ and export."""
     from torch.utils.data import ConcatDataset
 
+    from ..config import choose_mask_token_id
     from ..model import _DTYPES
-    from ..target import choose_mask_token_id, load_target
+    from ..target import load_target
     from ..training_data import TrainingData
 
     if target_dtype is not None and target_dtype not in _DTYPES:
