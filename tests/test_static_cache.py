@@ -242,12 +242,13 @@ def test_cpu_linears_are_frozen_into_inductor_s_gemm_template_with_the_linear_s_
         for rows in (1, 3):
             torch._dynamo.reset()
             counters.clear()
-            step = compile_whole(lambda x: head(torch.relu(up(x))).float(), options)
+            step = compile_whole(lambda x: head(torch.relu(up(x))).float(), options, weights=[up, head])
             x = torch.randn(rows, 1, 48, dtype=dtype)
             got = step(x)
             if dtype == torch.float32:  # frozen for real (the weights are constants, packed) and templated
-                assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == 2
                 assert counters["inductor"]["cpp_templated_kernel_counter"] == 2
+                # packed by the template alone, no oneDNN copy (compiled._no_onednn_prepack)
+                assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == 0
             hidden = torch.nn.functional.linear(x.float(), up.weight.float(), up.bias.float())
             want = torch.nn.functional.linear(torch.relu(hidden.to(dtype)).float(), head.weight.float())
             tolerance = 1e-5 if dtype == torch.float32 else 2e-2
@@ -269,10 +270,50 @@ def test_two_frozen_models_of_the_same_shapes_each_run_their_own_weights():
     with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
         torch._dynamo.reset()
         steps = [
-            compile_whole(lambda x, m=m: m(x), compile_options(torch.device("cpu"))) for m in (first, second)
+            compile_whole(lambda x, m=m: m(x), compile_options(torch.device("cpu")), weights=m)
+            for m in (first, second)
         ]
         for step, model in zip(steps, (first, second), strict=True):
             torch.testing.assert_close(step(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_frozen_graphs_are_cached_on_disk_under_their_weights(tmp_path, monkeypatch):
+    """A frozen graph is written to inductor's FX graph cache and found there by the next process (a oneDNN-packed
+    weight kept every one out of it: each start compiled for minutes), under a name made of its weights: inductor
+    keys a frozen parameter by shape and dtype alone but stores the GEMM template's packed copy by value, so a model
+    of the same shapes with other weights must miss, or it runs the first model's weights. dynamo's in-memory graphs
+    are dropped between runs, as a new process has none."""
+    from torch._dynamo.utils import counters
+
+    from flashdraft.compiled import compile_options, compile_whole
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    x = torch.randn(3, 48)
+    seen = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(48, 80), torch.nn.ReLU(), torch.nn.Linear(80, 300, bias=False)
+        ).eval()
+        torch._dynamo.reset()
+        counters.clear()
+        with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=True):
+            step = compile_whole(lambda x, m=model: m(x), compile_options(torch.device("cpu")), weights=model)
+            torch.testing.assert_close(step(x), model(x), rtol=1e-5, atol=1e-5)
+        seen.append({k: counters["inductor"][f"fxgraph_cache_{k}"] for k in ("miss", "hit", "bypass")})
+    assert seen == [
+        {"miss": 1, "hit": 0, "bypass": 0},  # compiled and written
+        {"miss": 0, "hit": 1, "bypass": 0},  # the same weights: read back
+        {"miss": 1, "hit": 0, "bypass": 0},  # other weights of the same shapes: compiled anew
+    ]
+
+
+def test_a_frozen_graph_names_the_weights_it_freezes():
+    """compile_whole refuses a frozen graph without its weights: its cache entry would have no name of them."""
+    from flashdraft.compiled import compile_options, compile_whole
+
+    with pytest.raises(ValueError, match="weights"):
+        compile_whole(lambda x: x, compile_options(torch.device("cpu")))
 
 
 def test_the_compiled_draft_head_gives_the_eager_head_s_logits_for_any_number_of_rows():
@@ -303,7 +344,8 @@ def test_the_compiled_draft_head_gives_the_eager_head_s_logits_for_any_number_of
             torch.testing.assert_close(head(hidden), want, rtol=1e-5, atol=1e-5)
     assert counters["stats"]["unique_graphs"] == 1
     assert counters["inductor"]["cpp_templated_kernel_counter"] == 1
-    assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == 1  # frozen: a constant, packed
+    # the template takes constant weights only (frozen), and packs them itself: no oneDNN copy
+    assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == 0
     assert counters["inductor"]["select_algorithm_autotune"] == 0  # the template, not a timing's choice
     target.compile_options = None
     assert draft_head(config, weight, bias, target) is None  # an eager verify: the eager head

@@ -6,7 +6,7 @@ position inside a graph) and gives it torch.compile's options for its device:
     GPU  inductor's kernels captured as a CUDA graph per shape and replayed (`mode="reduce-overhead"`, spelled as
          its inductor option `triton.cudagraphs` so that the module guards can be skipped as on a CPU: on an H100 a
          compiled step's dynamo cache lookup took 243 us, a tenth of a 2.5 ms verify).
-    CPU  inductor's C++ kernels with the weights frozen into the graph (`freezing`: constants, prepacked), every
+    CPU  inductor's C++ kernels with the weights frozen into the graph (`freezing`: constants), every
          linear through inductor's own C++ GEMM template (`max_autotune_gemm` with the `CPP` backend, ATen's GEMM
          where it has none: bf16 on a CPU without bf16 instructions; `one_gemm_choice`), and dynamo's
          guards on the model's modules skipped (the target is frozen; checking its ~2,000 module guards cost 1.5 ms
@@ -22,8 +22,10 @@ position inside a graph) and gives it torch.compile's options for its device:
 
 The sizes that vary (rows, verify length, capacity) are symbolic from the first compile (`kv_cache.symbolic_sizes`),
 so a prompt of another length or a row joining mid-answer costs no compile; on a GPU each new concrete size records
-a CUDA graph of the same compiled code. inductor caches what it compiled on disk (its FX graph and
-autotuning caches), so a second process starts faster. `$FLASHDRAFT_COMPILE` (a JSON object of torch.compile's
+a CUDA graph of the same compiled code. inductor keeps what it compiled in its on-disk FX graph cache
+(`$TORCHINDUCTOR_CACHE_DIR`, by default under the system's temporary directory), so a second process skips the
+compile: on a CPU the frozen graphs are cached under a hash of their weights (`frozen_cache_tag`), with no oneDNN
+copy of the weights, which inductor cannot cache (`_no_onednn_prepack`). `$FLASHDRAFT_COMPILE` (a JSON object of torch.compile's
 keywords) replaces the options on either device.
 """
 
@@ -124,34 +126,99 @@ def own_code(fn: Any) -> Any:
     return types.MethodType(copy, bound) if bound is not None else copy
 
 
-def compile_whole(fn: Any, compile_options: dict[str, Any]) -> Any:
+def compile_whole(fn: Any, compile_options: dict[str, Any], weights: Any = None) -> Any:
     """`torch.compile(fn, fullgraph=True, **compile_options)` on a copy of `fn`'s code (`own_code`: its graphs are its
     own) and of the options: torch.compile pops `guard_filter_fn` out of the `options` dict it is given, so the
     target's own options lost it at the verify's compile (the drafter's block pass then kept its module guards, and
     the cost model's cache key changed in the middle of a process). With `freezing` in the options, the parameters
-    are frozen for real."""
+    are frozen for real, and `weights` (the module, or modules, whose parameters and buffers `fn` reads) name the
+    graph in inductor's on-disk cache (`frozen_cache_tag`)."""
     # inductor's autotuning reads tensor storages through an API torch deprecates: its warning is not the user's
     warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
     compiled = torch.compile(own_code(fn), fullgraph=True, **fresh_options(compile_options))
     if not compile_options.get("options", {}).get("freezing"):
         return compiled
+    if weights is None:
+        raise ValueError("compile_whole: a frozen graph needs the modules whose weights it freezes")
 
     from torch._inductor import config as inductor_config
 
     _register_one_gemm_choice()
+    _no_onednn_prepack()
+    tag: list[str] = []  # made at the first call: hashing the weights costs a fraction of a second
 
     def frozen(*args: Any) -> Any:
         # dynamo reads inductor's global `freezing` when it traces (it decides whether the parameters become
         # constants of the graph); the options given to torch.compile reach inductor alone, so through them
         # nothing was frozen or packed
+        if not tag:
+            tag.append(frozen_cache_tag(weights))
         _THREAD.one_gemm_choice = True
         try:
-            with inductor_config.patch(freezing=True):
+            with (
+                inductor_config.patch(freezing=True),
+                torch.compiler.config.patch(cache_key_tag=tag[0]),
+            ):
                 return compiled(*args)
         finally:
             _THREAD.one_gemm_choice = False
 
     return frozen
+
+
+def frozen_cache_tag(weights: Any) -> str:
+    """The name of a frozen graph's weights in inductor's on-disk FX graph cache (torch's `cache_key_tag`): this
+    package's version and a sha256 of every parameter and buffer of `weights` (a module or a sequence of them), names,
+    dtypes, shapes and bytes, and of this file, which chooses the graphs' kernels (0.35 s for SmolLM2-135M's 540 MB in fp32 on a 2-core AMD EPYC). inductor keys a frozen
+    parameter by its shape and dtype alone, yet keeps the GEMM template's packed copy of it in the cache entry, by
+    value: without this tag a second model of the same shapes, in a later process, ran the first one's packed
+    weights (a toy two-linear model, torch 2.13: outputs off by 1.0)."""
+    import hashlib
+    from pathlib import Path
+
+    from . import __version__
+
+    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:8]  # the kernel choices made here
+    modules = [weights] if isinstance(weights, torch.nn.Module) else list(weights)
+    digest = hashlib.sha256()
+    for module in modules:
+        tensors = dict(module.named_parameters(remove_duplicate=False))
+        tensors.update(module.named_buffers(remove_duplicate=False))
+        for name, t in sorted(tensors.items()):
+            if t is None:
+                continue
+            digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+            data = t.detach().reshape(-1).contiguous().view(torch.uint8)
+            digest.update(memoryview(data.cpu().numpy()))
+    return f"flashdraft-{__version__}-{code}-frozen-{digest.hexdigest()[:32]}"
+
+
+def _no_onednn_prepack() -> None:
+    """Once per process, before any frozen graph: inductor's freezing passes no longer repack constant linear
+    weights as oneDNN tensors. Every linear of a frozen graph runs through the C++ GEMM template
+    (`one_gemm_choice`), which packs its own copy at compile time, so the oneDNN copies were never read; and a
+    graph holding a oneDNN tensor is never written to inductor's FX graph cache ("mkldnn tensors unpickleable"),
+    so every process compiled the frozen graphs again (about 6 minutes for SmolLM2-135M's verify, block pass and
+    head on a 2-core EPYC). The passes register their patterns once per process (a cached init that registers
+    nothing while oneDNN is off): if a frozen graph elsewhere in the process registered them first, graphs are
+    compiled as before, uncached."""
+    if getattr(_no_onednn_prepack, "done", False):
+        return
+    _no_onednn_prepack.done = True
+    try:
+        from torch._inductor.fx_passes import mkldnn_fusion
+
+        init = mkldnn_fusion._mkldnn_weight_pack_init
+        enabled = torch._C._get_mkldnn_enabled()
+    except (ImportError, AttributeError):  # another torch: packing, and compiling, as before
+        return
+    torch._C._set_mkldnn_enabled(
+        False
+    )  # not `torch.backends.mkldnn.flags`: it also sets TF32, with a warning
+    try:
+        init()
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
 
 
 def _register_one_gemm_choice() -> None:
@@ -213,7 +280,7 @@ class VerifyForward:
             target.layers[layer_id].register_forward_hook(self._hook(layer_id))
         fn = self._forward
         if self.compiled:
-            fn = compile_whole(fn, compile_options)
+            fn = compile_whole(fn, compile_options, weights=target.model)
         self._fn = fn
 
     def _hook(self, layer_id: int):
@@ -270,7 +337,7 @@ def draft_block_pass(draft: Any, target: Any) -> Any:
     key = options_key(target.compile_options)
     if key in passes:
         return passes[key]
-    compiled = compile_whole(draft.block_pass, target.compile_options)
+    compiled = compile_whole(draft.block_pass, target.compile_options, weights=draft)
 
     def run(x, cos, sin, keys, values, masks, block_len) -> torch.Tensor:
         # made this step (the context's K/V are marked where DraftContextCache makes them)
@@ -304,7 +371,9 @@ def draft_head(config: Any, weight: torch.Tensor, bias: torch.Tensor | None, tar
     head.weight = torch.nn.Parameter(weight, requires_grad=False)
     head.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
     compiled = compile_whole(
-        lambda hidden: draft_logits(config, hidden, head.weight, head.bias), target.compile_options
+        lambda hidden: draft_logits(config, hidden, head.weight, head.bias),
+        target.compile_options,
+        weights=head,
     )
 
     def run(hidden: torch.Tensor) -> torch.Tensor:
