@@ -281,15 +281,20 @@ def test_frozen_graphs_are_cached_on_disk_under_their_weights(tmp_path, monkeypa
     """A frozen graph is written to inductor's FX graph cache and found there by the next process (a oneDNN-packed
     weight kept every one out of it: each start compiled for minutes), under a name made of its weights: inductor
     keys a frozen parameter by shape and dtype alone but stores the GEMM template's packed copy by value, so a model
-    of the same shapes with other weights must miss, or it runs the first model's weights. dynamo's in-memory graphs
-    are dropped between runs, as a new process has none."""
+    of the same shapes with other weights must miss, or it runs the first model's weights. Neither the written nor the
+    read entry stays in memory (torch records every entry's bytes for `save_cache_artifacts`). dynamo's in-memory
+    graphs are dropped between runs, as a new process has none."""
     from torch._dynamo.utils import counters
+    from torch.compiler._cache import CacheArtifactManager
 
     from flashdraft.compiled import compile_options, compile_whole
 
+    def recorded() -> int:  # the cache entries torch keeps in memory for `save_cache_artifacts`
+        return sum(len(artifacts) for artifacts in CacheArtifactManager._new_cache_artifacts.values())
+
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     x = torch.randn(3, 48)
-    seen = []
+    seen, held = [], recorded()
     for seed in (0, 0, 1):
         torch.manual_seed(seed)
         model = torch.nn.Sequential(
@@ -301,6 +306,8 @@ def test_frozen_graphs_are_cached_on_disk_under_their_weights(tmp_path, monkeypa
             step = compile_whole(lambda x, m=model: m(x), compile_options(torch.device("cpu")), weights=model)
             torch.testing.assert_close(step(x), model(x), rtol=1e-5, atol=1e-5)
         seen.append({k: counters["inductor"][f"fxgraph_cache_{k}"] for k in ("miss", "hit", "bypass")})
+        # written or read, the entry (the template's packed weights) is not also held in memory
+        assert recorded() == held
     assert seen == [
         {"miss": 1, "hit": 0, "bypass": 0},  # compiled and written
         {"miss": 0, "hit": 1, "bypass": 0},  # the same weights: read back
