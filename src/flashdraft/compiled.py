@@ -25,7 +25,7 @@ so a prompt of another length or a row joining mid-answer costs no compile; on a
 a CUDA graph of the same compiled code. inductor keeps what it compiled in its on-disk FX graph cache
 (`$TORCHINDUCTOR_CACHE_DIR`, by default under the system's temporary directory), so a second process skips the
 compile: on a CPU the frozen graphs are cached under a hash of their weights (`frozen_cache_tag`), with no oneDNN
-copy of the weights, which inductor cannot cache (`_no_onednn_prepack`); a second start still traces them (122 s
+copy of the weights, which inductor cannot cache (`_no_onednn_prepack`); a second start still traces them (122-153 s
 against 268 s for SmolLM2-135M with its drafter in fp32 on a 2-core EPYC). `$FLASHDRAFT_COMPILE` (a JSON object of
 torch.compile's keywords) replaces the options on either device.
 """
