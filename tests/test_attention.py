@@ -50,7 +50,9 @@ def _causal_after_cache(b, n, length):
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1)])
 @pytest.mark.parametrize("n", [1, 3, 8])
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
-def test_it_is_sdpa_up_to_rounding(heads, kv_heads, n, mask_kind):
+@pytest.mark.parametrize("compiled", [False, True])  # eager fp32: SDPA's kernel; compiled: the two products
+def test_it_is_sdpa_up_to_rounding(heads, kv_heads, n, mask_kind, compiled, monkeypatch):
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiled)
     b, length = 2, 11
     q, k, v = _qkv(b, heads, kv_heads, n, length)
     module = _Module(heads, kv_heads)
@@ -111,11 +113,30 @@ def _llama(seed=0):
     return LlamaForCausalLM(config).eval()
 
 
-def test_a_bf16_cpu_target_runs_it_and_fp32_or_an_opt_out_does_not(monkeypatch):
+def test_a_bf16_or_fp32_cpu_target_runs_it_and_an_opt_out_does_not(monkeypatch):
     assert Target(_llama().to(torch.bfloat16)).model.config._attn_implementation == attention.NAME
-    assert Target(_llama()).model.config._attn_implementation == "sdpa"
+    assert Target(_llama()).model.config._attn_implementation == attention.NAME
+    assert Target(_llama().to(torch.float16)).model.config._attn_implementation == "sdpa"
     monkeypatch.setenv("FLASHDRAFT_ATTENTION", "sdpa")
     assert Target(_llama().to(torch.bfloat16)).model.config._attn_implementation == "sdpa"
+
+
+def test_eager_fp32_reads_grouped_heads_in_place(monkeypatch):
+    """With a mask, eager fp32 short queries call SDPA's kernel on the KV heads as they are (no repeat_kv copy),
+    and give what transformers' SDPA function gives."""
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "scaled_dot_product_attention",
+        lambda q, k, *a, **kw: seen.append(k.shape) or real(q, k, *a, **kw),
+    )
+    q, k, v = _qkv(3, 6, 2, 4, 20)
+    sees = _causal_after_cache(3, 4, 20)
+    got, _ = attention.short_query_attention(_Module(6, 2), q, k, v, sees)
+    assert seen == [k.shape]  # 2 KV heads, not 6
+    want, _ = sdpa_attention_forward(_Module(6, 2), q, k, v, sees)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
 
 
 def test_an_int8_verify_is_batch_invariant_and_dflash_equals_plain_bit_for_bit():

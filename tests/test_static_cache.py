@@ -445,8 +445,8 @@ def test_compiled_fp32_short_query_attention_decodes_as_plain_decoding(arch):
     target = Target(model)
     assert compile_verify(target) is None
     assert model.config._attn_implementation == "flashdraft"  # switched before anything was traced
-    reference = Target(tiny_model(arch, max_position_embeddings=1024))  # the same weights, SDPA, eager
-    assert reference.model.config._attn_implementation == "sdpa"
+    reference = Target(tiny_model(arch, max_position_embeddings=1024))  # the same weights, eager: SDPA's kernel
+    assert reference.static_cache is None and reference.compile_options is None
     draft = DFlashDraftModel.for_target(model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1)
     for temperature in (0.0, 0.9):
         want = generate_ar(reference, prompt, 12, temperature=temperature, seed=3, stop_token_ids=[])

@@ -54,6 +54,10 @@ def compile_verify(target: Any) -> str | None:
         )
     target.static_cache = True
     target.compile_options = compile_options(target.device)
+    from . import packed_linear
+
+    if packed_linear.unpack_linears(target.model):  # dense layers for inductor, which packs its own
+        target.lm_head = target.model.get_output_embeddings()
     from . import attention
 
     if attention.wanted(

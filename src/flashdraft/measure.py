@@ -8,6 +8,7 @@ pays for them once. The drafter is timed through the same engine and proposers t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -21,6 +22,7 @@ import torch
 
 from .costs import CostModel
 from .files import atomic_write_text
+from .packed_linear import PackedLinear, is_packed
 
 VERIFY_LENGTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 # Batched decoding verifies b rows x n tokens in one forward: its cost is read at b * n tokens (the weights are read
@@ -80,9 +82,12 @@ def cost_key(target: Any, draft: Any) -> dict[str, Any]:
     if uses_static_cache(target):  # priced as the engine runs it: static cache, compiled or not
         verify = {"verify": {"static_cache": True, "compile": options_key(target.compile_options)}}
     quantize = getattr(target, "quantize", None)  # int8 weights cost another price list than the bf16 ones
-    # attention.py's short-query attention (bf16 on a CPU) prices verifies unlike SDPA does
+    # attention.py's short-query attention (on a CPU) prices verifies unlike transformers' SDPA function does
     attention = getattr(getattr(target, "config", None), "_attn_implementation", None)
+    model = getattr(target, "model", None)
+    packed = isinstance(model, torch.nn.Module) and is_packed(model)  # oneDNN's linears price unlike MKL's
     return {
+        **({"linear": "onednn-packed"} if packed else {}),
         **verify,
         **({"quantize": quantize} if quantize else {}),
         **({"attention": attention} if attention == "flashdraft" else {}),
@@ -182,11 +187,13 @@ def measure_costs(
     rows = torch.randn(block - 1, target.hidden_size, generator=gen).to(device)
     head_s = {}
     for dtype in {weight.dtype, torch.bfloat16}:
-        w = weight.to(dtype)
         x = rows.to(dtype)
-        head_s[str(dtype).removeprefix("torch.")] = median_seconds(
-            lambda w=w, x=x: torch.nn.functional.linear(x, w), 5
-        )
+        packed = dtype == weight.dtype and isinstance(target.lm_head, PackedLinear)
+        if packed:  # the proposer runs it as it is
+            head = target.lm_head
+        else:
+            head = functools.partial(torch.nn.functional.linear, weight=weight.to(dtype))
+        head_s[str(dtype).removeprefix("torch.")] = median_seconds(lambda h=head, x=x: h(x), 5)
     draft_dtype = min(head_s, key=head_s.get)
     if static and target.compile_options is not None and device.type == "cpu":
         # Compiled on a CPU the drafter's head runs through inductor's GEMM template in the target's precision (8 ms

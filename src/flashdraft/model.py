@@ -292,7 +292,11 @@ def draft_logits(
     """float32 draft logits from the target's LM head: times `output_multiplier`, then soft-capped by
     `final_logit_softcapping` (in that order, as z-lab's reference). `hidden` must be 2-D rows: a 3-D strided input
     would send the head through bmm with a copy of the whole weight."""
-    logits = F.linear(hidden.to(weight.dtype), weight, bias).float()
+    return scale_draft_logits(config, F.linear(hidden.to(weight.dtype), weight, bias).float())
+
+
+def scale_draft_logits(config: DFlashConfig, logits: torch.Tensor) -> torch.Tensor:
+    """The drafter's `output_multiplier` and `final_logit_softcapping` on float32 head logits."""
     if config.output_multiplier != 1.0:
         logits = logits * config.output_multiplier
     cap = config.final_logit_softcapping

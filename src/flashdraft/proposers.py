@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .model import DFlashDraftModel, DraftContextCache, block_inputs, draft_logits
+from .model import DFlashDraftModel, DraftContextCache, block_inputs, draft_logits, scale_draft_logits
+from .packed_linear import PackedLinear
 from .target import Target, TargetError
 
 if TYPE_CHECKING:
@@ -80,11 +81,15 @@ class DFlashProposer(Proposer):
         on CPUs with fast bf16); the drafter only proposes, so its precision cannot change the output."""
         target.check_drafter(draft.config)
         self.target = target
-        self.head_weight = target.lm_head.weight
-        self.head_bias = getattr(target.lm_head, "bias", None)
+        head = target.lm_head
+        # A head packed for oneDNN (packed_linear.py) runs as it is, in fp32: its dense weight may not exist.
+        packed = isinstance(head, PackedLinear) and dtype in (None, head.compute_dtype)
+        self.packed_head = head if packed else None
+        self.head_weight = None if packed else head.weight
+        self.head_bias = getattr(head, "bias", None)
         if dtype is not None and dtype != draft.fc.weight.dtype:
             draft = copy.deepcopy(draft).to(dtype)
-        if dtype is not None and dtype != self.head_weight.dtype:
+        if not packed and dtype is not None and dtype != self.head_weight.dtype:
             self.head_weight = self.head_weight.to(dtype)
             self.head_bias = None if self.head_bias is None else self.head_bias.to(dtype)
         self.draft = draft
@@ -145,6 +150,8 @@ class DFlashProposer(Proposer):
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, V] float32 draft logits of the target's LM head (in the drafter's precision) for [rows, H] states,
         with the drafter's output multiplier and soft-capping."""
+        if self.packed_head is not None:
+            return scale_draft_logits(self.draft.config, self.packed_head(hidden.float()).float())
         return draft_logits(self.draft.config, hidden, self.head_weight, self.head_bias)
 
     def block_inputs(self, block_ids: torch.Tensor) -> torch.Tensor:

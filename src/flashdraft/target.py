@@ -628,12 +628,14 @@ def load_target(
     auto_fetch: bool = True,
     quantize: str | None = None,
     images: bool | None = None,
+    pack_linears: bool = True,
 ) -> Target:
     """Load a target by offline pack name (`smollm2-135m-instruct`, ...), local path or Hugging Face hub id;
     `quantize="int8"`: its linear layers int8 weight-only, bf16 activations (CPU; quantize.py). `images`: load an
     image-text checkpoint whole, with its vision tower and processor, so prompts may carry images (multimodal.py);
     None: only where transformers has no text-only class for it (Qwen3-VL, LLaVA, Idefics3, ...), so a Qwen3.5
-    composite loads its language model alone unless images are asked for."""
+    composite loads its language model alone unless images are asked for. `pack_linears`: an fp32 target on a CPU
+    runs its linear layers through oneDNN with packed weights (packed_linear.py; False for training)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     from .packs import resolve_model
@@ -666,6 +668,11 @@ def load_target(
     model = model.to(device)
     if quantize:
         quantize_int8(model)
+    if pack_linears:
+        from . import packed_linear
+
+        if packed_linear.wanted(model, dtype, device):
+            packed_linear.pack_linears(model)
     return Target(model, tokenizer, name=name_or_path, processor=processor)
 
 

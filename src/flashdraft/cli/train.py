@@ -385,7 +385,9 @@ def train_command(
         tgt = load_sharded_target(target, dtype=target_dtype, device=dist_device or device)
     else:
         images = any(p.has_images for p in parts) or None  # image prompts: the image-text checkpoint whole
-        tgt = load_target(target, dtype=target_dtype, device=dist_device or device, images=images)
+        tgt = load_target(
+            target, dtype=target_dtype, device=dist_device or device, images=images, pack_linears=False
+        )
     dataset = ConcatDataset(parts) if len(parts) > 1 else parts[0]
     manifests = [p.manifest for p in parts]
     for d, m in zip(data, manifests, strict=True):

@@ -1,0 +1,158 @@
+"""fp32 linear layers through oneDNN with packed weights (packed_linear.py): the same layer, packed only where the
+engine decodes eagerly on a CPU, put back for --compile and for training, decoding exactly what plain decoding of the
+same target decodes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import VOCAB, OracleProposer, byte_tokenizer, on_disk, tiny_model
+from flashdraft import Target, generate, generate_ar, load_target
+from flashdraft import packed_linear as pl
+from flashdraft.generate import generate_batch
+from flashdraft.model import DFlashDraftModel, draft_logits
+from flashdraft.proposers import DFlashProposer
+
+pytestmark = pytest.mark.skipif(not pl.available(), reason="this torch has no oneDNN fp32 linear")
+
+
+def packed(arch: str, seed: int = 0, **overrides) -> nn.Module:
+    model = tiny_model(arch, seed=seed, **overrides)
+    assert pl.pack_linears(model) > 0
+    return model
+
+
+def test_a_packed_linear_is_the_dense_linear():
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 80, bias=True)
+    p = pl.PackedLinear(linear)
+    for x in (
+        torch.randn(5, 96),
+        torch.randn(2, 3, 96),
+        torch.randn(96, 4).T,
+    ):  # rows, a batch, a strided view
+        torch.testing.assert_close(p(x), linear(x), rtol=1e-5, atol=1e-5)
+        assert p(x).shape == linear(x).shape and p(x).dtype == torch.float32
+    assert torch.equal(p.weight, linear.weight) and torch.equal(p.bias, linear.bias)
+    # gradients (training never packs, but a layer must not silently drop one): through the dense product
+    x = torch.randn(3, 96, requires_grad=True)
+    p(x).square().sum().backward()
+    expected = torch.autograd.grad(linear(x).square().sum(), x)[0]
+    torch.testing.assert_close(x.grad, expected)
+
+
+def test_pack_and_unpack_keep_a_tied_head_tied():
+    model = tiny_model("llama", tie_word_embeddings=True)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    embedding = model.get_input_embeddings().weight
+    linears = sum(type(m) is nn.Linear for m in model.modules())
+    assert pl.pack_linears(model) == linears
+    assert not any(type(m) is nn.Linear for m in model.modules()) and pl.is_packed(model)
+    head = model.get_output_embeddings()
+    assert isinstance(head, pl.PackedLinear) and head.weight is embedding  # the tied weight, not a copy
+    assert pl.unpack_linears(model) == linears and not pl.is_packed(model)
+    assert model.get_output_embeddings().weight is embedding
+    after = dict(model.named_parameters())
+    assert all(torch.equal(after[n], p) for n, p in before.items())
+
+
+def test_what_is_packed():
+    model = tiny_model("llama")
+    cpu = torch.device("cpu")
+    assert pl.wanted(model, torch.float32, cpu)
+    assert not pl.wanted(model, torch.bfloat16, cpu)  # bf16 already runs oneDNN's kernel through nn.Linear
+    assert not pl.wanted(model, torch.float32, torch.device("meta"))
+
+
+def test_the_environment_turns_packing_off(monkeypatch):
+    monkeypatch.setenv("FLASHDRAFT_PACKED_LINEAR", "0")
+    assert not pl.wanted(tiny_model("llama"), torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_dflash_on_a_packed_target_is_plain_decoding(arch):
+    """Greedy and seeded sampling: a random drafter (rollbacks) and an oracle (long accepts) emit what plain
+    decoding of the packed target emits, which is what the dense target decodes (tiny models' logits are far apart)."""
+    dense = Target(tiny_model(arch, seed=2))
+    target = Target(packed(arch, seed=2))
+    draft = DFlashDraftModel.for_target(
+        target.model.config, num_layers=1, block_size=6, mask_token_id=VOCAB - 1, seed=3
+    ).eval()
+    rng, long_accepts = random.Random(5), 0
+    for trial in range(6):
+        ids = torch.tensor([[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 16))]])
+        max_new = rng.randint(8, 30)
+        temperature = 0.0 if trial % 2 == 0 else 0.9
+        plain = generate_ar(target, ids, max_new, temperature=temperature, seed=trial)
+        got = generate(target, draft, ids, max_new, temperature=temperature, seed=trial, block_size=6)
+        assert got.new_tokens == plain.new_tokens, (trial, temperature)
+        if temperature == 0:
+            assert plain.new_tokens == generate_ar(dense, ids, max_new).new_tokens
+            reference = ids[0].tolist() + plain.new_tokens
+            oracle = OracleProposer(reference, VOCAB, block_size=6, rng=random.Random(trial))
+            got = generate(target, oracle, ids, max_new)
+            assert got.new_tokens == plain.new_tokens
+            long_accepts += sum(a > 1 for a in got.acceptance_lengths)
+    assert long_accepts > 0
+
+
+def test_batched_rows_joining_and_leaving_on_a_packed_target():
+    target = Target(packed("qwen3", seed=4))
+    draft = DFlashDraftModel.for_target(
+        target.model.config, num_layers=1, block_size=5, mask_token_id=VOCAB - 1, seed=6
+    ).eval()
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 12))] for _ in range(5)]
+    limits = [rng.randint(6, 20) for _ in prompts]
+    for temperature in (0.0, 0.8):
+        seeds = list(range(len(prompts)))
+        got = generate_batch(
+            target,
+            draft,
+            prompts,
+            limits,
+            temperature=temperature,
+            seed=seeds,
+            block_size=5,
+            max_batch_size=2,
+        )
+        for p, limit, seed, out in zip(prompts, limits, seeds, got, strict=True):
+            alone = generate_ar(target, torch.tensor([p]), limit, temperature=temperature, seed=seed)
+            assert out.new_tokens == alone.new_tokens
+
+
+def test_the_draft_head_runs_the_packed_head():
+    dense = Target(tiny_model("llama", seed=1))
+    target = Target(packed("llama", seed=1))
+    draft = DFlashDraftModel.for_target(
+        target.model.config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1
+    )
+    proposer = DFlashProposer(draft, target)
+    assert proposer.packed_head is target.lm_head and proposer.head_weight is None
+    hidden = torch.randn(3, target.hidden_size)
+    expected = draft_logits(draft.config, hidden, dense.lm_head.weight, None)
+    torch.testing.assert_close(proposer.head_logits(hidden), expected, rtol=1e-5, atol=1e-5)
+    # in another precision the head is cast from the dense weight, as before
+    assert DFlashProposer(draft, target, dtype=torch.bfloat16).head_weight.dtype == torch.bfloat16
+
+
+def test_load_target_packs_and_compile_puts_the_layers_back(tmp_path):
+    from flashdraft.compiled import compile_verify
+    from flashdraft.measure import cost_key
+
+    tok = byte_tokenizer(["a packed target", "and its tokenizer"] * 4, VOCAB)
+    saved = on_disk(Target(tiny_model("llama"), tok), tmp_path)
+    target = load_target(saved["target"])
+    assert pl.is_packed(target.model) and isinstance(target.lm_head, pl.PackedLinear)
+    dense = load_target(saved["target"], pack_linears=False)
+    assert not pl.is_packed(dense.model)
+    draft = DFlashDraftModel.from_pretrained(saved["draft"])
+    # priced apart: oneDNN's layers cost what MKL's do not
+    assert cost_key(target, draft) == {**cost_key(dense, draft), "linear": "onednn-packed"}
+    assert compile_verify(target) is None
+    assert not pl.is_packed(target.model) and type(target.lm_head) is nn.Linear
+    assert cost_key(target, draft)["verify"]["static_cache"] and "linear" not in cost_key(target, draft)
