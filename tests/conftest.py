@@ -279,6 +279,33 @@ def byte_tokenizer(corpus: list[str], vocab: int, chat_template: str | None = No
     )
 
 
+def assert_dflash_is_plain_decoding(target, draft, block_size: int = 6, dense=None) -> None:
+    """Six prompts, greedy and seeded sampling in turn: `draft` (a random drafter: most drafts rejected, rollbacks)
+    and, greedy, an oracle (long accepts) emit exactly what plain decoding of `target` emits; with `dense`, plain
+    greedy decoding of that target gives the same tokens too."""
+    from flashdraft import generate, generate_ar
+
+    rng, long_accepts = random.Random(5), 0
+    for trial in range(6):
+        ids = torch.tensor([[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 16))]])
+        max_new = rng.randint(8, 30)
+        temperature = 0.0 if trial % 2 == 0 else 0.9
+        plain = generate_ar(target, ids, max_new, temperature=temperature, seed=trial)
+        got = generate(
+            target, draft, ids, max_new, temperature=temperature, seed=trial, block_size=block_size
+        )
+        assert got.new_tokens == plain.new_tokens, (trial, temperature)
+        if temperature == 0:
+            if dense is not None:
+                assert plain.new_tokens == generate_ar(dense, ids, max_new).new_tokens, trial
+            reference = ids[0].tolist() + plain.new_tokens
+            oracle = OracleProposer(reference, VOCAB, block_size=block_size, rng=random.Random(trial))
+            got = generate(target, oracle, ids, max_new)
+            assert got.new_tokens == plain.new_tokens
+            long_accepts += sum(a > 1 for a in got.acceptance_lengths)
+    assert long_accepts > 0  # the oracle's drafts were accepted several at a time, not only rejected
+
+
 def on_disk(target, root):
     """The target (with its tokenizer) and an untrained block-4 drafter for it, saved under root."""
     from flashdraft import DFlashDraftModel

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import VOCAB, OracleProposer, byte_tokenizer, on_disk, tiny_model
-from flashdraft import Target, generate, generate_ar, load_target
+from conftest import VOCAB, assert_dflash_is_plain_decoding, byte_tokenizer, on_disk, tiny_model
+from flashdraft import Target, generate_ar, load_target
 from flashdraft import packed_linear as pl
 from flashdraft.generate import generate_batch
 from flashdraft.model import DFlashDraftModel, draft_logits
@@ -82,22 +82,7 @@ def test_dflash_on_a_packed_target_is_plain_decoding(arch):
     draft = DFlashDraftModel.for_target(
         target.model.config, num_layers=1, block_size=6, mask_token_id=VOCAB - 1, seed=3
     ).eval()
-    rng, long_accepts = random.Random(5), 0
-    for trial in range(6):
-        ids = torch.tensor([[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 16))]])
-        max_new = rng.randint(8, 30)
-        temperature = 0.0 if trial % 2 == 0 else 0.9
-        plain = generate_ar(target, ids, max_new, temperature=temperature, seed=trial)
-        got = generate(target, draft, ids, max_new, temperature=temperature, seed=trial, block_size=6)
-        assert got.new_tokens == plain.new_tokens, (trial, temperature)
-        if temperature == 0:
-            assert plain.new_tokens == generate_ar(dense, ids, max_new).new_tokens
-            reference = ids[0].tolist() + plain.new_tokens
-            oracle = OracleProposer(reference, VOCAB, block_size=6, rng=random.Random(trial))
-            got = generate(target, oracle, ids, max_new)
-            assert got.new_tokens == plain.new_tokens
-            long_accepts += sum(a > 1 for a in got.acceptance_lengths)
-    assert long_accepts > 0
+    assert_dflash_is_plain_decoding(target, draft, dense=dense)
 
 
 def test_batched_rows_joining_and_leaving_on_a_packed_target():

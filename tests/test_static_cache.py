@@ -445,7 +445,8 @@ def test_compiled_fp32_short_query_attention_decodes_as_plain_decoding(arch):
     target = Target(model)
     assert compile_verify(target) is None
     assert model.config._attn_implementation == "flashdraft"  # switched before anything was traced
-    reference = Target(tiny_model(arch, max_position_embeddings=1024))  # the same weights, eager: SDPA's kernel
+    # the same weights, eager: SDPA's kernel
+    reference = Target(tiny_model(arch, max_position_embeddings=1024))
     assert reference.static_cache is None and reference.compile_options is None
     draft = DFlashDraftModel.for_target(model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1)
     for temperature in (0.0, 0.9):
