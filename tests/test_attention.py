@@ -181,3 +181,16 @@ def test_values_narrower_than_keys():
     want, _ = sdpa_attention_forward(module, q, k, v, sees, scaling=0.25)
     assert got.shape == (1, 3, 4, 8)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
+
+
+def test_a_switched_config_still_builds_a_model():
+    """transformers takes any implementation named with "flash" for flash attention and refuses to build a model
+    from such a config without a flash kernel: a config the switch touched must still build one (memory_plan.py
+    builds targets from their configs on the meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    model = Target(_llama()).model
+    assert model.config._attn_implementation == attention.NAME
+    with torch.device("meta"):
+        again = AutoModelForCausalLM.from_config(model.config)
+    assert again.config._attn_implementation == attention.NAME

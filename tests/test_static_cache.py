@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import VOCAB, OracleProposer, hybrid_model, tiny_model
-from flashdraft import DFlashDraftModel, Target, generate_ar
+from flashdraft import DFlashDraftModel, Target, attention, generate_ar
 from flashdraft.compiled import compile_verify, draft_block_pass, verify_forward
 from flashdraft.engine import BatchDecoder
 from flashdraft.generate import generate, generate_batch, run
@@ -444,7 +444,7 @@ def test_compiled_fp32_short_query_attention_decodes_as_plain_decoding(arch):
     prompt = list(range(5, 30))
     target = Target(model)
     assert compile_verify(target) is None
-    assert model.config._attn_implementation == "flashdraft"  # switched before anything was traced
+    assert model.config._attn_implementation == attention.NAME  # switched before anything was traced
     # the same weights, eager: SDPA's kernel
     reference = Target(tiny_model(arch, max_position_embeddings=1024))
     assert reference.static_cache is None and reference.compile_options is None

@@ -1,4 +1,4 @@
-"""The attention a target runs on a CPU for short queries (decode steps and verifies): in bf16, and compiled.
+"""The attention a target runs on a CPU for short queries (decode steps and verifies): bf16, fp32, and compiled.
 
 PyTorch's fused CPU attention (`scaled_dot_product_attention`) is slow in bf16 at a handful of queries: on a 2-core
 EPYC, SmolLM2-135M after 256 tokens, 90-140 µs per layer for one query and 275 µs for a verify of sixteen; the two
@@ -6,7 +6,7 @@ plain products this module runs instead take 60-90 µs and about 110 µs. `short
 eager attention (scores as a bf16 product, softmax in fp32, the probabilities back to bf16 for the product with the
 values) without copying the keys and values of grouped-query heads: the query heads that share a KV head are stacked
 into one matrix, so each KV head is one product. It is registered with transformers' `AttentionInterface` as
-"flashdraft" (masks built as for "sdpa") and serves queries of up to `SHORT_QUERY` tokens; longer ones (prefill) go
+"short_query" (masks built as for "sdpa") and serves queries of up to `SHORT_QUERY` tokens; longer ones (prefill) go
 to transformers' SDPA function unchanged.
 
 Its result for a query row does not depend on the rows beside it: the products go to oneDNN's bf16 kernel, which on
@@ -36,7 +36,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-NAME = "flashdraft"
+# Not "flashdraft": transformers takes every implementation whose name contains "flash" for flash attention
+# (`is_flash_attention_requested`), and refuses to build a model from such a config without a flash kernel.
+NAME = "short_query"
 SHORT_QUERY = 64  # queries up to this many tokens per row take the short-query path
 _UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias")
 
@@ -89,7 +91,7 @@ def short_query_attention(
 
 
 def register() -> None:
-    """Make "flashdraft" an attention implementation transformers knows (idempotent)."""
+    """Make `NAME` an attention implementation transformers knows (idempotent)."""
     from transformers import AttentionInterface
 
     if NAME in AttentionInterface._global_mapping:

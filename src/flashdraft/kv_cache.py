@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from . import attention as short_query
 from .recurrent import has_kv, is_recurrent_layer
 
 VERIFY_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -383,7 +384,7 @@ def static_refusal(target: Any) -> str | None:
 def mask_refusal(target: Any) -> str | None:
     """Why the target's attention cannot take a mask the engine builds (None: it takes it as given)."""
     attention = getattr(target.model.config, "_attn_implementation", None)
-    if attention not in (None, "sdpa", "eager", "flashdraft"):
+    if attention not in (None, "sdpa", "eager", short_query.NAME):
         return f"{attention} attention, which does not take the engine's mask"
     return None
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from . import attention as short_query
 from .costs import CostModel
 from .files import atomic_write_text
 from .packed_linear import PackedLinear, is_packed
@@ -90,7 +91,7 @@ def cost_key(target: Any, draft: Any) -> dict[str, Any]:
         **({"linear": "onednn-packed"} if packed else {}),
         **verify,
         **({"quantize": quantize} if quantize else {}),
-        **({"attention": attention} if attention == "flashdraft" else {}),
+        **({"attention": attention} if attention == short_query.NAME else {}),
         "version": COST_MODEL_VERSION,
         "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
         "threads": torch.get_num_threads(),
