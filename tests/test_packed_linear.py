@@ -10,7 +10,15 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import VOCAB, assert_dflash_is_plain_decoding, byte_tokenizer, on_disk, tiny_model
+from conftest import (
+    HYBRID_ARCHS,
+    VOCAB,
+    assert_dflash_is_plain_decoding,
+    byte_tokenizer,
+    hybrid_model,
+    on_disk,
+    tiny_model,
+)
 from flashdraft import Target, generate_ar, load_target
 from flashdraft import packed_linear as pl
 from flashdraft.generate import generate_batch
@@ -21,7 +29,9 @@ pytestmark = pytest.mark.skipif(not pl.available(), reason="this torch has no on
 
 
 def packed(arch: str, seed: int = 0, **overrides) -> nn.Module:
-    model = tiny_model(arch, seed=seed, **overrides)
+    model = (
+        hybrid_model(arch, seed=seed) if arch in HYBRID_ARCHS else tiny_model(arch, seed=seed, **overrides)
+    )
     assert pl.pack_linears(model) > 0
     return model
 
@@ -73,11 +83,11 @@ def test_the_environment_turns_packing_off(monkeypatch):
     assert not pl.wanted(tiny_model("llama"), torch.float32, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5", "jamba"])  # hybrids: their mixers' linears too
 def test_dflash_on_a_packed_target_is_plain_decoding(arch):
     """Greedy and seeded sampling: a random drafter (rollbacks) and an oracle (long accepts) emit what plain
     decoding of the packed target emits, which is what the dense target decodes (tiny models' logits are far apart)."""
-    dense = Target(tiny_model(arch, seed=2))
+    dense = Target(hybrid_model(arch, seed=2) if arch in HYBRID_ARCHS else tiny_model(arch, seed=2))
     target = Target(packed(arch, seed=2))
     draft = DFlashDraftModel.for_target(
         target.model.config, num_layers=1, block_size=6, mask_token_id=VOCAB - 1, seed=3
