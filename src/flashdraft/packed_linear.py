@@ -5,8 +5,8 @@ reads SmolLM2-135M's LM head (49152 x 576, 113 MB) at 12 GB/s for one row and at
 2-8 tokens cost 1.6-1.7 one-token steps and a draft pass's head over 15 slots 24 ms. oneDNN's fp32 inner product on
 weights reordered once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's frozen
 CPU graphs call) reads it at 20 GB/s for one row and 16-18 GB/s for 2-8, and the whole model's step went 64 -> 51 ms,
-its verifies of 2 / 4 / 8 tokens 108 / 118 / 102 -> 72 / 75 / 70 ms. Each output row is also reduced in the same
-order whatever the number of rows (`tests/test_packed_linear.py`), which MKL's one-row and many-row kernels do not.
+its verifies of 2 / 4 / 8 tokens 108 / 118 / 102 -> 72 / 75 / 70 ms. On that CPU each output row also came out
+with the same bits at 1-16 rows (measured once, not tested or relied on: benchmarks/README.md).
 
 `pack_linears` replaces every `nn.Linear` of a loaded fp32 CPU model by a `PackedLinear` holding the packed weight
 instead of the dense one, so memory stays as it was (a head tied to the embedding adds its packed copy). Used where
@@ -72,9 +72,12 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def unpacked(self) -> nn.Linear:
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        # on the meta device: no random weights drawn only to be replaced (a 7B target's would take minutes)
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
         dense = self._dense()
-        linear.weight = dense if isinstance(dense, nn.Parameter) else nn.Parameter(self.weight, False)
+        linear.weight = (
+            dense if isinstance(dense, nn.Parameter) else nn.Parameter(self.packed.to_dense(), False)
+        )
         if self.bias is not None:
             linear.bias = nn.Parameter(self.bias, requires_grad=False)
         return linear
