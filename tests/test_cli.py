@@ -71,11 +71,15 @@ CASES = [
     ({"--draft": "DRAFT_FILE"}, "is a file"),
     ({"--draft": "/no/such/drafter"}, "does not exist"),
     ({"--draft": "WRONG"}, "hidden size 128"),
-    ({"--quantize": "int4"}, "--quantize must be one of int8, got 'int4'"),
+    ({"--quantize": "int4"}, "--quantize must be one of int8, fp16, got 'int4'"),
     # the device given: on a machine with a GPU the default device is the GPU, where int8 is refused first
     (
         {"--quantize": "int8", "--dtype": "float32", "--device": "cpu"},
         "--quantize int8 runs bf16 activations",
+    ),
+    (
+        {"--quantize": "fp16", "--dtype": "bfloat16", "--device": "cpu"},
+        "--quantize fp16 runs fp32 activations",
     ),
     ({"--regex": "[0-9]+", "--choice": "yes"}, "--regex and --choice both constrain the output: give one"),
     ({"--json-schema": "BAD_SCHEMA"}, "the JSON schema is not valid JSON"),

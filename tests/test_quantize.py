@@ -1,5 +1,6 @@
-"""--quantize int8: weight-only int8 linear layers (bf16 activations) decode exactly what plain decoding of the
-same quantized model decodes; the kernel is batch-invariant; what int8 cannot run is refused in one line."""
+"""--quantize int8 / fp16: weight-only int8 linear layers (bf16 activations) and fp16 ones (fp32 activations) decode
+exactly what plain decoding of the same quantized model decodes; their layers give a row the same bits whatever rows
+share the call; what a scheme cannot run is refused in one line."""
 
 from __future__ import annotations
 
@@ -10,14 +11,24 @@ from torch import nn
 from conftest import HYBRID_ARCHS, VOCAB, assert_dflash_is_plain_decoding, hybrid_model, tiny_model
 from flashdraft import Target
 from flashdraft.model import DFlashDraftModel
-from flashdraft.quantize import Int8Linear, QuantizeError, check_quantize, quantize_int8
+from flashdraft.quantize import (
+    Fp16Linear,
+    Int8Linear,
+    QuantizeError,
+    _fp16_row_counts,
+    check_quantize,
+    fp16_available,
+    quantize,
+)
+
+needs_fbgemm = pytest.mark.skipif(not fp16_available(), reason="fbgemm's fp16 kernel (x86 builds of torch)")
+SCHEMES = ["int8", pytest.param("fp16", marks=needs_fbgemm)]
 
 
-def quantized(arch: str, seed: int = 0) -> nn.Module:
-    model = (hybrid_model(arch, seed=seed) if arch in HYBRID_ARCHS else tiny_model(arch, seed=seed)).to(
-        torch.bfloat16
-    )
-    quantize_int8(model)
+def quantized(arch: str, seed: int = 0, scheme: str = "int8") -> nn.Module:
+    model = hybrid_model(arch, seed=seed) if arch in HYBRID_ARCHS else tiny_model(arch, seed=seed)
+    model = model.to(torch.bfloat16 if scheme == "int8" else torch.float32)
+    quantize(model, scheme)
     return model
 
 
@@ -49,27 +60,61 @@ def test_int8_kernel_is_batch_invariant():
         assert torch.equal(together[i : i + 1], q(x[i : i + 1]))
 
 
-def test_quantize_replaces_every_linear_and_the_head():
-    model = quantized("llama")
+@needs_fbgemm
+def test_fp16_linear_is_the_linear_of_its_rounded_weights():
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 40, bias=True)
+    q = Fp16Linear(linear)
+    x = torch.randn(5, 3, 48)
+    expected = x @ linear.weight.detach().half().float().T + linear.bias.detach()
+    torch.testing.assert_close(q(x), expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(q.weight, linear.weight.detach().half().float())
+    assert q(x).shape == (5, 3, 40) and q(x).dtype == torch.float32
+    strided = torch.randn(48, 6).T
+    assert torch.equal(q(strided), q(strided.contiguous()))
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("shape", [(576, 1536), (1536, 576), (64, 200)])
+def test_fp16_layer_gives_a_row_its_bits_at_any_row_count(shape):
+    """fbgemm's 1- and 2-row kernels round otherwise than its 3- to 6-row ones: without the padding to a row count
+    whose blocks are all 3-6 rows high, 1, 2, 7, 14, 31, 32, ... rows differ from a one-row call."""
+    torch.manual_seed(1)
+    q = Fp16Linear(nn.Linear(*shape))
+    x = torch.randn(70, shape[0])
+    alone = torch.cat([q(x[i : i + 1]) for i in range(len(x))])
+    for m in range(1, len(x) + 1):
+        assert torch.equal(q(x[:m]), alone[:m]), m
+    table = _fp16_row_counts()
+    assert table[1] >= 3 and all(table[m] >= m for m in range(1, len(table)))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_quantize_replaces_every_linear_and_the_head(scheme):
+    model = quantized("llama", scheme=scheme)
+    kind = Int8Linear if scheme == "int8" else Fp16Linear
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
-    assert isinstance(model.get_output_embeddings(), Int8Linear)
-    assert isinstance(model.get_input_embeddings(), nn.Embedding)  # the embedding stays bf16
+    assert isinstance(model.get_output_embeddings(), kind)
+    assert isinstance(model.get_input_embeddings(), nn.Embedding)  # the embedding keeps the model's dtype
     target = Target(model)
+    assert target.quantize == scheme
     assert target.lm_head_logits(torch.randn(2, target.hidden_size)).dtype == torch.float32
 
 
 # Jamba is left out: in bf16, with or without int8, one of these sampled runs parts from plain sampling (its batched
 # verify rounds otherwise than a one-token step: the near-tie of bench/mismatches.py, here on a sampling threshold).
+@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5"])
-def test_dflash_on_an_int8_target_is_plain_decoding_of_it(arch):
+def test_dflash_on_a_quantized_target_is_plain_decoding_of_it(arch, scheme):
     """Greedy and seeded sampling: a random drafter (most drafts rejected, rollbacks) and an oracle (long accepts)
-    emit exactly what plain decoding of the same int8 model emits."""
-    model = quantized(arch, seed=2)
+    emit exactly what plain decoding of the same quantized model emits."""
+    model = quantized(arch, seed=2, scheme=scheme)
     target = Target(model)
     draft = DFlashDraftModel.for_target(
         model.config, num_layers=1, block_size=6, mask_token_id=VOCAB - 1, seed=3
     ).eval()
-    draft = draft.to(torch.bfloat16)
+    if scheme == "int8":
+        draft = draft.to(torch.bfloat16)
     assert_dflash_is_plain_decoding(target, draft)
 
 
@@ -78,12 +123,19 @@ def test_what_int8_cannot_run_is_refused():
     check_quantize(None, torch.float32, cpu)
     check_quantize("int8", None, cpu)
     check_quantize("int8", torch.bfloat16, cpu)
-    with pytest.raises(QuantizeError, match="must be one of int8, got 'int4'"):
+    with pytest.raises(QuantizeError, match="must be one of int8, fp16, got 'int4'"):
         check_quantize("int4", None, cpu)
     with pytest.raises(QuantizeError, match="runs bf16 activations .* not float32"):
         check_quantize("int8", torch.float32, cpu)
     with pytest.raises(QuantizeError, match="for CPUs"):
         check_quantize("int8", None, torch.device("cuda"))
+    with pytest.raises(QuantizeError, match="for CPUs"):
+        check_quantize("fp16", None, torch.device("cuda"))
+    if fp16_available():
+        check_quantize("fp16", None, cpu)
+        check_quantize("fp16", torch.float32, cpu)
+        with pytest.raises(QuantizeError, match="runs fp32 activations .* not bfloat16"):
+            check_quantize("fp16", torch.bfloat16, cpu)
 
 
 def test_an_int8_target_is_priced_apart():
@@ -97,3 +149,68 @@ def test_an_int8_target_is_priced_apart():
     )
     assert plain.quantize is None and int8.quantize == "int8"
     assert cost_key(int8, draft) == {**cost_key(plain, draft), "quantize": "int8"}
+
+
+@needs_fbgemm
+def test_batched_dflash_on_an_fp16_target_is_plain_decoding_of_each_row():
+    """Rows of different lengths, joining as others finish (continuous batching): each row's tokens are plain
+    decoding of that row alone on the same fp16 model, greedy and seeded sampling."""
+    import random
+
+    from flashdraft import generate_ar, generate_batch
+
+    model = quantized("llama", seed=4, scheme="fp16")
+    target = Target(model)
+    draft = DFlashDraftModel.for_target(
+        model.config, num_layers=1, block_size=5, mask_token_id=VOCAB - 1, seed=6
+    ).eval()
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 14))] for _ in range(5)]
+    limits = [rng.randint(6, 24) for _ in prompts]
+    for temperature in (0.0, 0.9):
+        seeds = list(range(len(prompts)))
+        got = generate_batch(
+            target,
+            draft,
+            prompts,
+            limits,
+            temperature=temperature,
+            seed=seeds,
+            block_size=5,
+            max_batch_size=3,
+        )
+        for ids, limit, seed, out in zip(prompts, limits, seeds, got, strict=True):
+            plain = generate_ar(target, torch.tensor([ids]), limit, temperature=temperature, seed=seed)
+            assert out.new_tokens == plain.new_tokens, (ids, temperature)
+
+
+@needs_fbgemm
+def test_compile_leaves_an_fp16_target_eager():
+    from flashdraft.compiled import compile_verify
+
+    target = Target(quantized("llama", scheme="fp16"))
+    note = compile_verify(target)
+    assert note is not None and "fp16" in note and "eagerly" in note
+    assert target.compile_options is None and not target.static_cache
+
+
+@needs_fbgemm
+def test_cli_generate_with_fp16_weights_equals_plain_decoding_of_them(tmp_path):
+    """`generate --quantize fp16 --compare-ar` on a checkpoint on disk: the fp16 target's DFlash output is its own
+    plain decoding's, token for token."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from conftest import byte_tokenizer, on_disk
+    from flashdraft.cli import app
+
+    vocab = 320  # room for the byte-level tokenizer's 256 bytes and its merges
+    tokenizer = byte_tokenizer(["the quick brown fox jumps over the lazy dog."] * 8, vocab)
+    saved = on_disk(Target(tiny_model("llama", seed=5, vocab=vocab), tokenizer), tmp_path)
+    args = ["generate", "--target", saved["target"], "--draft", saved["draft"], "--quantize", "fp16",
+            "--device", "cpu", "--block-size", "4", "--max-new-tokens", "24", "--compare-ar", "--json", "the fox"]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout[result.stdout.index("{") :])
+    assert report["identical_to_ar"] and report["dflash"]["num_new_tokens"] > 0

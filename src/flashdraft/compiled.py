@@ -52,6 +52,10 @@ def compile_verify(target: Any) -> str | None:
         return (
             f"--compile: {target.name} has {reason}, which the static cache does not serve; decoding eagerly"
         )
+    if target.quantize == "fp16":  # an opaque packed weight (quantize.Fp16Linear): nothing inductor can fuse
+        return (
+            "--compile: fp16 weights run through fbgemm's own kernel, which is not compiled; decoding eagerly"
+        )
     target.static_cache = True
     target.compile_options = compile_options(target.device)
     from . import packed_linear

@@ -33,6 +33,7 @@ import torch
 
 from .model import DFlashDraftModel, DraftContextCache, block_inputs, draft_logits, scale_draft_logits
 from .packed_linear import PackedLinear
+from .quantize import Fp16Linear
 from .target import Target, TargetError
 
 if TYPE_CHECKING:
@@ -82,8 +83,9 @@ class DFlashProposer(Proposer):
         target.check_drafter(draft.config)
         self.target = target
         head = target.lm_head
-        # A head packed for oneDNN (packed_linear.py) runs as it is, in fp32: its dense weight may not exist.
-        packed = isinstance(head, PackedLinear) and dtype in (None, head.compute_dtype)
+        # A head packed for oneDNN (packed_linear.py) or for fbgemm's fp16 GEMM (quantize.py) runs as it is, in
+        # fp32: its dense weight may not exist.
+        packed = isinstance(head, (PackedLinear, Fp16Linear)) and dtype in (None, torch.float32)
         self.packed_head = head if packed else None
         self.head_weight = None if packed else head.weight
         self.head_bias = getattr(head, "bias", None)

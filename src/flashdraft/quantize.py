@@ -1,20 +1,37 @@
-"""Weight-only int8 for a target on the CPU (`--quantize int8`): half the bytes a decode step reads in bf16.
+"""Weight-only quantized targets on the CPU (`--quantize int8|fp16`): fewer bytes read per decode step.
 
-Every `nn.Linear` of the model (the LM head included) becomes an `Int8Linear`: int8 weights with one bf16 scale
+int8: every `nn.Linear` of the model (the LM head included) becomes an `Int8Linear`: int8 weights with one bf16 scale
 per output channel (symmetric, absmax / 127), applied by torch's `_weight_int8pack_mm` with bf16 activations (its
 fast path on CPUs; with fp32 activations it is slower than an fp32 matmul, so int8 runs with bf16 activations only).
-The embedding stays bf16. The quantized model is a model of its own: lossless decoding means the output of plain
-decoding of that same model, which `ar` and every speculative method run alike. Each output row of the kernel is
-reduced in the same order whatever the number of rows, so a verify's projections give the bits a one-token step
-gives (`tests/test_quantize.py`).
+The embedding stays bf16.
+
+fp16: every `nn.Linear` becomes an `Fp16Linear`: its weights rounded to fp16 once and packed for fbgemm's fp16 GEMM
+(`quantized.linear_dynamic_fp16`, x86), which reads them at half the bytes of fp32 and multiplies in fp32; the
+activations and everything between the linears stay fp32. On a 2-core AMD EPYC (avx2), SmolLM2's LM head (49152 x
+576) over 1 / 3 / 16 rows took 1.8 / 2.0 / 6.7 ms against 3.8 / 4.1 / 9.1 ms for oneDNN's packed fp32 layer and
+2.5 / 3.1 / 16.7 ms for the int8 kernel (bf16 activations). fp32 activations also keep the int8 path's trap away:
+in an fp32 model whose int8 layers round their inputs to bf16, the last-bit differences of fp32 attention between a
+verify and a one-token step became whole bf16 steps, and 4 of 4 DFlash outputs parted from plain decoding of the
+same model (benchmarks/README.md).
+
+A quantized model is a model of its own: lossless decoding means the output of plain decoding of that same model,
+which `ar` and every speculative method run alike. So a verify's projections must give a token the bits a one-token
+step gives. The int8 kernel reduces each output row in the same order whatever the number of rows. fbgemm's fp16 GEMM
+does not: it cuts the rows into blocks of 1 to 6 (a fixed table per row count) and its 1- and 2-row kernels round
+otherwise than the 3- to 6-row ones. `Fp16Linear` pads each call with zero rows up to a row count whose blocks are
+all 3 to 6 rows high, found once per process by probing the kernel (`_fp16_row_counts`), so every row comes out of a
+3- to 6-row kernel: one extra read of nothing, the kernel being bound by the weights' bytes
+(`tests/test_quantize.py`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-QUANTIZE_SCHEMES = ("int8",)
+QUANTIZE_SCHEMES = ("int8", "fp16")
+FP16_PROBE_ROWS = 1024  # row counts up to this are padded to one that rounds as a one-row call does
 
 
 class QuantizeError(ValueError):
@@ -54,14 +71,104 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, bf16 scales"
 
 
+class Fp16Linear(nn.Module):
+    """y = x @ fp16(weight).T + bias for fp32 `x`, through fbgemm's fp16 GEMM, each row with the bits it has alone."""
+
+    compute_dtype = torch.float32  # what callers cast inputs to (as Int8Linear says it)
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        weight = linear.weight.detach().float()
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight, bias)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.has_bias = bias is not None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The fp16-rounded weight in fp32 (a new tensor each call): for code that reads a head's weight once."""
+        return torch.ops.quantized.linear_unpack_fp16(self.packed)[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Every op here is paid ~210 times a step for a 30-layer model: as few as the padding allows.
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        if rows.dtype != torch.float32:
+            rows = rows.float()
+        m = rows.shape[0]
+        table = _FP16_ROWS or _fp16_row_counts()
+        padded = table[m] if m < len(table) else m
+        if padded != m:
+            rows = F.pad(rows, (0, 0, 0, padded - m))  # zero rows after the real ones, contiguous
+        elif not rows.is_contiguous():
+            rows = rows.contiguous()
+        out = torch.ops.quantized.linear_dynamic_fp16(rows, self.packed)
+        if padded != m:
+            out = out[:m]
+        out = out.view(*shape[:-1], self.out_features)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp16 weights (fbgemm)"
+
+
+_FP16_ROWS: list[int] = []  # _fp16_row_counts's table, once probed
+
+
+def _fp16_row_counts() -> list[int]:
+    """[m] -> the least row count >= m at which fbgemm's fp16 GEMM gives every row the bits it has in a call of 3
+    rows (the module docstring), probed once per process on a small random layer for m up to FP16_PROBE_ROWS."""
+    if _FP16_ROWS:
+        return _FP16_ROWS
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(32, 96, generator=gen)
+    packed = torch.ops.quantized.linear_prepack_fp16(weight, None)
+    x = torch.randn(FP16_PROBE_ROWS + 2, 96, generator=gen)
+    kernel = torch.ops.quantized.linear_dynamic_fp16
+    reference = torch.cat([kernel(x[i : i + 3], packed) for i in range(0, FP16_PROBE_ROWS, 3)])
+    good = [m for m in range(1, FP16_PROBE_ROWS + 1) if torch.equal(kernel(x[:m], packed), reference[:m])]
+    table, nxt = [0] * (FP16_PROBE_ROWS + 1), None
+    for m in range(FP16_PROBE_ROWS, 0, -1):
+        if good and m == good[-1]:
+            nxt = good.pop()
+        table[m] = nxt if nxt is not None else m
+    _FP16_ROWS[:] = table
+    return _FP16_ROWS
+
+
+def fp16_available() -> bool:
+    """torch has fbgemm's fp16 GEMM here (its x86 builds)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(
+        torch.ops.quantized, "linear_dynamic_fp16"
+    )
+
+
+def default_dtype(scheme: str) -> torch.dtype:
+    """The dtype a quantized model runs in around its quantized layers."""
+    return torch.float32 if scheme == "fp16" else torch.bfloat16
+
+
 def check_quantize(scheme: str | None, dtype: torch.dtype | None, device: torch.device) -> None:
-    """Refuse, in one line and before loading, what int8 cannot run fast or at all."""
+    """Refuse, in one line and before loading, what a scheme cannot run fast or at all."""
     if scheme is None:
         return
     if scheme not in QUANTIZE_SCHEMES:
         raise QuantizeError(f"--quantize must be one of {', '.join(QUANTIZE_SCHEMES)}, got {scheme!r}")
     if device.type != "cpu":
-        raise QuantizeError("--quantize int8 is for CPUs (torch's int8 weight kernel); on a GPU run bf16")
+        raise QuantizeError(
+            f"--quantize {scheme} is for CPUs (torch's {scheme} weight kernel); on a GPU run bf16"
+        )
+    if scheme == "fp16":
+        if not fp16_available():
+            raise QuantizeError(
+                "--quantize fp16 needs fbgemm's fp16 kernel, which this torch lacks (x86 builds have it)"
+            )
+        if dtype is not None and dtype != torch.float32:
+            raise QuantizeError(
+                f"--quantize fp16 runs fp32 activations around its fp16 weights, not "
+                f"{str(dtype).removeprefix('torch.')}: use --dtype float32 or leave --dtype out"
+            )
+        return
     if dtype is not None and dtype != torch.bfloat16:
         raise QuantizeError(
             f"--quantize int8 runs bf16 activations (torch's int8 kernel is fast only for them), not "
@@ -72,11 +179,26 @@ def check_quantize(scheme: str | None, dtype: torch.dtype | None, device: torch.
 @torch.no_grad()
 def quantize_int8(model: nn.Module) -> int:
     """Replace every nn.Linear of `model` (a bf16 model) by an Int8Linear in place; returns how many."""
+    return _replace_linears(model, Int8Linear)
+
+
+@torch.no_grad()
+def quantize_fp16(model: nn.Module) -> int:
+    """Replace every nn.Linear of `model` (an fp32 model) by an Fp16Linear in place; returns how many."""
+    return _replace_linears(model, Fp16Linear)
+
+
+def quantize(model: nn.Module, scheme: str) -> int:
+    """Quantize `model` in place by `scheme` (QUANTIZE_SCHEMES); returns how many layers."""
+    return {"int8": quantize_int8, "fp16": quantize_fp16}[scheme](model)
+
+
+def _replace_linears(model: nn.Module, kind: type) -> int:
     replaced = 0
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, child_name, Int8Linear(child))
+                setattr(module, child_name, kind(child))
                 replaced += 1
     get_output = getattr(model, "get_output_embeddings", None)
     if get_output is not None and isinstance(get_output(), nn.Linear):  # a head held outside named_children
@@ -85,5 +207,11 @@ def quantize_int8(model: nn.Module) -> int:
 
 
 def quantization_of(model: nn.Module) -> str | None:
-    """ "int8" if `quantize_int8` ran on this model, else None (what the cost model and the reports key on)."""
-    return "int8" if any(isinstance(m, Int8Linear) for m in model.modules()) else None
+    """The scheme `quantize` applied to this model ("int8", "fp16"), else None (what the cost model and the
+    reports key on)."""
+    for m in model.modules():
+        if isinstance(m, Int8Linear):
+            return "int8"
+        if isinstance(m, Fp16Linear):
+            return "fp16"
+    return None

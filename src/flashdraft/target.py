@@ -155,7 +155,8 @@ class Target:
         self.compile_options: dict[str, Any] | None = None
         from .quantize import quantization_of
 
-        # "int8": its linear layers are quantize.Int8Linear (the cost model and the reports key on it)
+        # "int8" / "fp16": its linear layers are quantize.Int8Linear / Fp16Linear (the cost model and the reports
+        # key on it)
         self.quantize: str | None = quantization_of(model)
         from . import attention
 
@@ -631,7 +632,8 @@ def load_target(
     pack_linears: bool = True,
 ) -> Target:
     """Load a target by offline pack name (`smollm2-135m-instruct`, ...), local path or Hugging Face hub id;
-    `quantize="int8"`: its linear layers int8 weight-only, bf16 activations (CPU; quantize.py). `images`: load an
+    `quantize="int8"`: its linear layers int8 weight-only, bf16 activations; "fp16": fp16 weight-only, fp32
+    activations (CPU; quantize.py). `images`: load an
     image-text checkpoint whole, with its vision tower and processor, so prompts may carry images (multimodal.py);
     None: only where transformers has no text-only class for it (Qwen3-VL, LLaVA, Idefics3, ...), so a Qwen3.5
     composite loads its language model alone unless images are asked for. `pack_linears`: an fp32 target on a CPU
@@ -639,11 +641,13 @@ def load_target(
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     from .packs import resolve_model
-    from .quantize import check_quantize, quantize_int8
+    from .quantize import check_quantize
+    from .quantize import default_dtype as quantized_dtype
+    from .quantize import quantize as quantize_model
 
     device = parse_device(device)
     check_quantize(quantize, parse_dtype(dtype), device)
-    dtype = parse_dtype(dtype) or (torch.bfloat16 if quantize else default_dtype(device))
+    dtype = parse_dtype(dtype) or (quantized_dtype(quantize) if quantize else default_dtype(device))
     path = resolve_model(name_or_path, auto_fetch=auto_fetch)
     processor = None
     try:
@@ -667,7 +671,7 @@ def load_target(
         raise TargetError(f"cannot load target {name_or_path!r}: {first}") from None
     model = model.to(device)
     if quantize:
-        quantize_int8(model)
+        quantize_model(model, quantize)
     if pack_linears:
         from . import packed_linear
 
