@@ -13,7 +13,8 @@ Its result for a query row does not depend on the rows beside it: the products g
 the CPUs measured here reduces each output element in the same order whatever the number of rows, and the masked
 columns add exact zeros. With int8 weights, whose kernel is row-invariant too (quantize.py), a verify of n tokens
 then gives every token the bits a one-token step gives, and DFlash equals plain decoding bit for bit
-(tests/test_attention.py). In bf16 the MLP's down projection is not (oneDNN splits a reduction over 1,536 inputs
+(tests/test_attention.py; on an avx2 CPU, where bf16 is emulated, 1 in 4-6 int8 outputs still parted:
+benchmarks/README.md). In bf16 the MLP's down projection is not (oneDNN splits a reduction over 1,536 inputs
 differently for one row and for several), so bf16 outputs can still part from plain decoding on near-ties.
 Options it cannot honour (logit soft-capping, attention sinks, position biases) send the call to SDPA as well.
 
