@@ -306,6 +306,25 @@ def assert_dflash_is_plain_decoding(target, draft, block_size: int = 6, dense=No
     assert long_accepts > 0  # the oracle's drafts were accepted several at a time, not only rejected
 
 
+def assert_batched_dflash_is_plain_decoding(target, draft, seed: int = 7, max_batch_size: int = 2) -> None:
+    """Five prompts of different lengths decoded as a batch with rows joining as others finish (continuous
+    batching), greedy and seeded sampling: each row's tokens are plain decoding of that row alone on `target`."""
+    from flashdraft import generate_ar, generate_batch
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 12))] for _ in range(5)]
+    limits = [rng.randint(6, 20) for _ in prompts]
+    for temperature in (0.0, 0.8):
+        seeds = list(range(len(prompts)))
+        got = generate_batch(
+            target, draft, prompts, limits, temperature=temperature, seed=seeds, block_size=5,
+            max_batch_size=max_batch_size,
+        )  # fmt: skip
+        for ids, limit, row_seed, out in zip(prompts, limits, seeds, got, strict=True):
+            alone = generate_ar(target, torch.tensor([ids]), limit, temperature=temperature, seed=row_seed)
+            assert out.new_tokens == alone.new_tokens, (ids, temperature)
+
+
 def on_disk(target, root):
     """The target (with its tokenizer) and an untrained block-4 drafter for it, saved under root."""
     from flashdraft import DFlashDraftModel

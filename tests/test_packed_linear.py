@@ -4,8 +4,6 @@ same target decodes."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from torch import nn
@@ -13,15 +11,15 @@ from torch import nn
 from conftest import (
     HYBRID_ARCHS,
     VOCAB,
+    assert_batched_dflash_is_plain_decoding,
     assert_dflash_is_plain_decoding,
     byte_tokenizer,
     hybrid_model,
     on_disk,
     tiny_model,
 )
-from flashdraft import Target, generate_ar, load_target
+from flashdraft import Target, load_target
 from flashdraft import packed_linear as pl
-from flashdraft.generate import generate_batch
 from flashdraft.model import DFlashDraftModel, draft_logits
 from flashdraft.proposers import DFlashProposer
 
@@ -100,24 +98,7 @@ def test_batched_rows_joining_and_leaving_on_a_packed_target():
     draft = DFlashDraftModel.for_target(
         target.model.config, num_layers=1, block_size=5, mask_token_id=VOCAB - 1, seed=6
     ).eval()
-    rng = random.Random(7)
-    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 12))] for _ in range(5)]
-    limits = [rng.randint(6, 20) for _ in prompts]
-    for temperature in (0.0, 0.8):
-        seeds = list(range(len(prompts)))
-        got = generate_batch(
-            target,
-            draft,
-            prompts,
-            limits,
-            temperature=temperature,
-            seed=seeds,
-            block_size=5,
-            max_batch_size=2,
-        )
-        for p, limit, seed, out in zip(prompts, limits, seeds, got, strict=True):
-            alone = generate_ar(target, torch.tensor([p]), limit, temperature=temperature, seed=seed)
-            assert out.new_tokens == alone.new_tokens
+    assert_batched_dflash_is_plain_decoding(target, draft)
 
 
 def test_the_draft_head_runs_the_packed_head():

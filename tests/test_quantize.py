@@ -8,7 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import HYBRID_ARCHS, VOCAB, assert_dflash_is_plain_decoding, hybrid_model, tiny_model
+from conftest import (
+    HYBRID_ARCHS,
+    VOCAB,
+    assert_batched_dflash_is_plain_decoding,
+    assert_dflash_is_plain_decoding,
+    hybrid_model,
+    tiny_model,
+)
 from flashdraft import Target
 from flashdraft.model import DFlashDraftModel
 from flashdraft.quantize import (
@@ -153,35 +160,13 @@ def test_an_int8_target_is_priced_apart():
 
 @needs_fbgemm
 def test_batched_dflash_on_an_fp16_target_is_plain_decoding_of_each_row():
-    """Rows of different lengths, joining as others finish (continuous batching): each row's tokens are plain
-    decoding of that row alone on the same fp16 model, greedy and seeded sampling."""
-    import random
-
-    from flashdraft import generate_ar, generate_batch
-
+    """Rows of different lengths, joining as others finish: each row's tokens are plain decoding of that row alone
+    on the same fp16 model, greedy and seeded sampling."""
     model = quantized("llama", seed=4, scheme="fp16")
-    target = Target(model)
     draft = DFlashDraftModel.for_target(
         model.config, num_layers=1, block_size=5, mask_token_id=VOCAB - 1, seed=6
     ).eval()
-    rng = random.Random(7)
-    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 14))] for _ in range(5)]
-    limits = [rng.randint(6, 24) for _ in prompts]
-    for temperature in (0.0, 0.9):
-        seeds = list(range(len(prompts)))
-        got = generate_batch(
-            target,
-            draft,
-            prompts,
-            limits,
-            temperature=temperature,
-            seed=seeds,
-            block_size=5,
-            max_batch_size=3,
-        )
-        for ids, limit, seed, out in zip(prompts, limits, seeds, got, strict=True):
-            plain = generate_ar(target, torch.tensor([ids]), limit, temperature=temperature, seed=seed)
-            assert out.new_tokens == plain.new_tokens, (ids, temperature)
+    assert_batched_dflash_is_plain_decoding(Target(model), draft, max_batch_size=3)
 
 
 @needs_fbgemm

@@ -1,9 +1,9 @@
 """Eager CPU targets with different weights side by side in one process: fp32 (oneDNN's packed layers, the default),
-`--quantize fp16` (fbgemm's fp16 GEMM, fp32 activations) and `--quantize int8` (bf16 activations); plain decoding and
-DFlash on each, in turn.
+fp32-mkl (torch's own linear, MKL), `--quantize fp16` (fbgemm's fp16 GEMM, fp32 activations), `--quantize int8` (bf16
+activations) and bf16; plain decoding and DFlash on each, in turn.
 
     python benchmarks/scripts/weights_ab.py --batch 1 --prompts 6 --targets fp32,fp16,int8
-    python benchmarks/scripts/weights_ab.py --batch 16 --prompts 16 --targets fp32,fp16
+    python benchmarks/scripts/weights_ab.py --batch 16 --prompts 16 --targets fp32-mkl,fp32
 
 Each target gets its own price list (measured once per machine, then cached). Prints tokens/s and whether every
 output equals plain decoding of the same target (lossless means that: each is a model of its own).
@@ -24,6 +24,7 @@ from flashdraft.measure import cpu_name, load_or_measure_costs
 
 TARGETS = {
     "fp32": {"dtype": "float32"},
+    "fp32-mkl": {"dtype": "float32", "pack_linears": False},
     "fp16": {"quantize": "fp16"},
     "int8": {"quantize": "int8"},
     "bf16": {"dtype": "bfloat16"},
