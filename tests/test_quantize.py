@@ -76,6 +76,9 @@ def test_fp16_linear_is_the_linear_of_its_rounded_weights():
     expected = x @ linear.weight.detach().half().float().T + linear.bias.detach()
     torch.testing.assert_close(q(x), expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(q.weight, linear.weight.detach().half().float())
+    assert (
+        torch.equal(q.bias, linear.bias.detach()) and Fp16Linear(nn.Linear(48, 40, bias=False)).bias is None
+    )
     assert q(x).shape == (5, 3, 40) and q(x).dtype == torch.float32
     strided = torch.randn(48, 6).T
     assert torch.equal(q(strided), q(strided.contiguous()))

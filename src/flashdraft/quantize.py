@@ -82,12 +82,16 @@ class Fp16Linear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().float()
         self.packed = torch.ops.quantized.linear_prepack_fp16(weight, bias)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.has_bias = bias is not None
 
     @property
     def weight(self) -> torch.Tensor:
         """The fp16-rounded weight in fp32 (a new tensor each call): for code that reads a head's weight once."""
         return torch.ops.quantized.linear_unpack_fp16(self.packed)[0]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """The bias (fp32, held in the packed weight), or None."""
+        return torch.ops.quantized.linear_unpack_fp16(self.packed)[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Every op here is paid ~210 times a step for a 30-layer model: as few as the padding allows.
