@@ -85,10 +85,10 @@ class DFlashProposer(Proposer):
         head = target.lm_head
         # A head packed for oneDNN (packed_linear.py) or for fbgemm's fp16 GEMM (quantize.py) runs as it is, in
         # fp32: its dense weight may not exist.
-        packed = isinstance(head, (PackedLinear, Fp16Linear)) and dtype in (None, torch.float32)
+        packed = isinstance(head, (PackedLinear, Fp16Linear)) and dtype in (None, head.compute_dtype)
         self.packed_head = head if packed else None
         self.head_weight = None if packed else head.weight
-        self.head_bias = getattr(head, "bias", None)
+        self.head_bias = None if packed else getattr(head, "bias", None)  # a packed head adds its own
         if dtype is not None and dtype != draft.fc.weight.dtype:
             draft = copy.deepcopy(draft).to(dtype)
         if not packed and dtype is not None and dtype != self.head_weight.dtype:

@@ -80,7 +80,8 @@ class Fp16Linear(nn.Module):
         super().__init__()
         weight = linear.weight.detach().float()
         bias = None if linear.bias is None else linear.bias.detach().float()
-        self.packed = torch.ops.quantized.linear_prepack_fp16(weight, bias)
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight, bias)  # the kernel adds the bias
+        self._bias = bias  # also kept as it is, so reading it unpacks nothing
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     @property
@@ -90,8 +91,8 @@ class Fp16Linear(nn.Module):
 
     @property
     def bias(self) -> torch.Tensor | None:
-        """The bias (fp32, held in the packed weight), or None."""
-        return torch.ops.quantized.linear_unpack_fp16(self.packed)[1]
+        """The bias (fp32), or None."""
+        return self._bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Every op here is paid ~210 times a step for a 30-layer model: as few as the padding allows.
@@ -187,14 +188,10 @@ def quantize_int8(model: nn.Module) -> int:
 
 
 @torch.no_grad()
-def quantize_fp16(model: nn.Module) -> int:
-    """Replace every nn.Linear of `model` (an fp32 model) by an Fp16Linear in place; returns how many."""
-    return _replace_linears(model, Fp16Linear)
-
-
 def quantize(model: nn.Module, scheme: str) -> int:
-    """Quantize `model` in place by `scheme` (QUANTIZE_SCHEMES); returns how many layers."""
-    return {"int8": quantize_int8, "fp16": quantize_fp16}[scheme](model)
+    """Quantize `model` in place by `scheme` (QUANTIZE_SCHEMES): every nn.Linear becomes an Int8Linear (a bf16
+    model) or an Fp16Linear (an fp32 model); returns how many."""
+    return _replace_linears(model, {"int8": Int8Linear, "fp16": Fp16Linear}[scheme])
 
 
 def _replace_linears(model: nn.Module, kind: type) -> int:
