@@ -135,8 +135,9 @@ def test_what_int8_cannot_run_is_refused():
     check_quantize("int8", torch.bfloat16, cpu)
     with pytest.raises(QuantizeError, match="must be one of int8, fp16, got 'int4'"):
         check_quantize("int4", None, cpu)
-    with pytest.raises(QuantizeError, match="runs bf16 activations .* not float32"):
-        check_quantize("int8", torch.float32, cpu)
+    check_quantize("int8", torch.float32, cpu)  # fp32 activations: the compiled path's int8
+    with pytest.raises(QuantizeError, match="runs bf16 activations .* not float16"):
+        check_quantize("int8", torch.float16, cpu)
     with pytest.raises(QuantizeError, match="for CPUs"):
         check_quantize("int8", None, torch.device("cuda"))
     with pytest.raises(QuantizeError, match="for CPUs"):
@@ -159,6 +160,79 @@ def test_an_int8_target_is_priced_apart():
     )
     assert plain.quantize is None and int8.quantize == "int8"
     assert cost_key(int8, draft) == {**cost_key(plain, draft), "quantize": "int8"}
+
+
+def test_an_fp32_int8_layer_is_the_kernel_s_product_eager_and_compiled():
+    """With fp32 activations an int8 layer is (x @ int8 weight) x scale in fp32: eager it dequantizes, compiled
+    (`--quantize int8 --dtype float32 --compile`) inductor's C++ GEMM template runs it from the int8 weights (the
+    fp32 x int8 micro-kernel compiled.py registers), and both agree with ATen's int8 kernel to fp32 rounding."""
+    from torch._dynamo.utils import counters
+
+    from flashdraft.compiled import compile_options, compile_whole
+
+    torch.manual_seed(0)
+    q = Int8Linear(nn.Linear(96, 200, bias=True), compute_dtype=torch.float32).eval()
+    assert q.scales.dtype == torch.float32 and q.weight.dtype == torch.float32
+    x = torch.randn(5, 96)
+    want = torch.ops.aten._weight_int8pack_mm(x, q.weight_int8, q.scales) + q.bias
+    torch.testing.assert_close(q(x), want, rtol=1e-5, atol=1e-5)
+    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+        torch._dynamo.reset()
+        counters.clear()
+        step = compile_whole(lambda rows: q(rows), compile_options(torch.device("cpu")), weights=q)
+        got = step(x)
+        assert counters["inductor"]["cpp_templated_kernel_counter"] == 1  # the template, not ATen's kernel
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_fp32_int8_layers_give_a_row_its_bits_at_any_row_count():
+    """Row invariance of the compiled int8 layers with fp32 activations at SmolLM2's shapes, the rows symbolic as the
+    engine compiles them: a row's outputs are the same bits whether 1 or up to 17 rows share the call (the template
+    sums each row alone, in one order). The verify as a whole is not batch-invariant in fp32: its attention products
+    go to ATen's GEMMs (benchmarks/README.md)."""
+    from flashdraft.compiled import compile_options, compile_whole
+    from flashdraft.kv_cache import symbolic_sizes
+
+    torch.manual_seed(0)
+    shapes = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 4000)]
+    layers = nn.ModuleList(
+        Int8Linear(nn.Linear(i, o, bias=False), compute_dtype=torch.float32) for i, o in shapes
+    ).eval()
+    step = compile_whole(
+        lambda a, b: [layer(a if layer.in_features == 576 else b) for layer in layers],
+        compile_options(torch.device("cpu")),
+        weights=layers,
+    )
+    x, wide = torch.randn(17, 576), torch.randn(17, 1536)
+
+    def run(rows: int) -> list[torch.Tensor]:
+        a, b = x[:rows].clone(), wide[:rows].clone()
+        symbolic_sizes(a, 0)
+        symbolic_sizes(b, 0)
+        return step(a, b)
+
+    with torch.no_grad():
+        alone = run(1)
+        for rows in (2, 3, 4, 5, 8, 16, 17):
+            together = run(rows)
+            for (i, o), one, many in zip(shapes, alone, together, strict=True):
+                assert torch.equal(many[:1], one), f"{i} -> {o} at {rows} rows"
+
+
+def test_compiled_dflash_on_an_fp32_int8_target_is_plain_decoding_of_it():
+    """`--quantize int8 --dtype float32 --compile`: greedy and seeded sampling, a random drafter and an oracle,
+    one row and rows joining and leaving a batch, all emit plain decoding of the same compiled int8 model."""
+    from flashdraft.compiled import compile_verify
+
+    model = tiny_model("llama", seed=2)
+    quantize(model, "int8")
+    target = Target(model)
+    assert compile_verify(target) is None
+    draft = DFlashDraftModel.for_target(
+        model.config, num_layers=1, block_size=6, mask_token_id=VOCAB - 1, seed=3
+    ).eval()
+    assert_dflash_is_plain_decoding(target, draft)
+    assert_batched_dflash_is_plain_decoding(target, draft, max_batch_size=3)
 
 
 @needs_fbgemm

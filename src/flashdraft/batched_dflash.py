@@ -119,7 +119,7 @@ class BatchedDFlashProposer(BatchProposer):
         self.block_pass = draft_block_pass(self.draft, target) if self.static else None
         # the drafter's LM head compiled beside a compiled verify (None: eager or dynamic), else the eager one
         compiled_head = self.static and draft_head(
-            self.draft.config, single.head_weight, single.head_bias, target
+            self.draft.config, single.head_weight, single.head_bias, target, module=single.packed_head
         )
         self.head_logits = compiled_head or single.head_logits
         self.cache = self._new_cache()

@@ -153,6 +153,7 @@ def compile_whole(fn: Any, compile_options: dict[str, Any], weights: Any = None)
     from torch._inductor import config as inductor_config
 
     _register_one_gemm_choice()
+    _register_fp32_int8_micro_gemm()
     _no_onednn_prepack()
     unrecorded = _unrecorded_cache_artifacts()
     compiler_config = torch.compiler.config
@@ -246,6 +247,40 @@ def _no_onednn_prepack() -> None:
         init()
     finally:
         torch._C._set_mkldnn_enabled(enabled)
+
+
+def _register_fp32_int8_micro_gemm() -> None:
+    """Once per process, before any frozen graph: inductor's C++ GEMM template may multiply fp32 rows by int8
+    weights (`--quantize int8 --dtype float32`: `aten._weight_int8pack_mm`, the scales its epilogue). Its fp32
+    micro-kernel already converts int8 weights to fp32 as it loads them (the path its bf16 x int8 kernels use), but
+    torch 2.13 lists no fp32 x int8 configuration, so inductor fell back to ATen's kernel: on a 2-core AMD EPYC
+    (avx2) SmolLM2's LM head and 30 MLP projections at one row took 30 ms through ATen and 3.6 ms through the
+    template (4 rows: 164 against 4.7 ms), where fp32 weights take 9.3. The configurations added are the fp32 ones'
+    register blockings with int8 weights, for avx2 and avx512; each row is still summed alone, in the same order at
+    any row count (`tests/test_quantize.py`)."""
+    if getattr(_register_fp32_int8_micro_gemm, "done", False):
+        return
+    _register_fp32_int8_micro_gemm.done = True
+    try:
+        import torch._inductor.lowering  # noqa: F401 - before codegen: inductor's modules import in this order
+        from torch._inductor.codegen import cpp_micro_gemm as micro
+        from torch._inductor.cpu_vec_isa import VecAVX2, VecAVX512
+
+        configs = micro.micro_gemm_configs[micro.CppMicroGemmFP32Vec]
+    except (ImportError, AttributeError, KeyError):  # another torch: ATen's kernel, as before
+        return
+    for isa, blockings in (
+        (VecAVX512, [(8, 48, 1), (8, 32, 1), (16, 16, 1)]),
+        (VecAVX2, [(4, 24, 1), (4, 16, 1), (8, 8, 1)]),
+    ):
+        configs += micro.generate_gemm_config(
+            isa,
+            blockings,
+            input_dtype=torch.float32,
+            input2_dtype=torch.int8,
+            output_dtype=torch.float32,
+            compute_dtype=torch.float32,
+        )
 
 
 def _register_one_gemm_choice() -> None:
@@ -380,28 +415,44 @@ def draft_block_pass(draft: Any, target: Any) -> Any:
     return run
 
 
-def draft_head(config: Any, weight: torch.Tensor, bias: torch.Tensor | None, target: Any) -> Any:
+def draft_head(
+    config: Any,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    target: Any,
+    module: torch.nn.Module | None = None,
+) -> Any:
     """The drafter's LM head (`model.draft_logits` over [rows, H] states) compiled as the target's verify is, made
-    once per target, head precision and drafter scaling; None when the verify is eager. Eager, this head was most of
-    a CPU draft pass: 25 of 34 ms for SmolLM2's 15 slots through MKL on a 2-core AMD EPYC, 8 ms through inductor's
-    GEMM template (the module docstring)."""
+    once per target, head precision and drafter scaling; None when the verify is eager. `module`: a quantized head
+    (quantize.Int8Linear) compiled as it is, in place of `weight` and `bias`. Eager, this head was most of a CPU
+    draft pass: 25 of 34 ms for SmolLM2's 15 slots through MKL on a 2-core AMD EPYC, 8 ms through inductor's GEMM
+    template (the module docstring)."""
     if target.compile_options is None:
         return None
-    from .model import draft_logits
+    from .model import draft_logits, scale_draft_logits
 
     scaling = (config.output_multiplier, config.final_logit_softcapping)
-    key = (options_key(target.compile_options), weight.dtype, scaling)
+    precision = weight.dtype if module is None else (type(module).__name__, module.compute_dtype)
+    key = (options_key(target.compile_options), precision, scaling)
     heads = target.model.__dict__.setdefault("_flashdraft_draft_heads", {})
     if key in heads:
         return heads[key]
-    head = torch.nn.Module()  # the weights as a module's parameters: constants of the frozen graph
-    head.weight = torch.nn.Parameter(weight, requires_grad=False)
-    head.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
-    compiled = compile_whole(
-        lambda hidden: draft_logits(config, hidden, head.weight, head.bias),
-        target.compile_options,
-        weights=head,
-    )
+    if module is not None:
+        head = module
+        compiled = compile_whole(
+            lambda hidden: scale_draft_logits(config, head(hidden).float()),
+            target.compile_options,
+            weights=head,
+        )
+    else:
+        head = torch.nn.Module()  # the weights as a module's parameters: constants of the frozen graph
+        head.weight = torch.nn.Parameter(weight, requires_grad=False)
+        head.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        compiled = compile_whole(
+            lambda hidden: draft_logits(config, hidden, head.weight, head.bias),
+            target.compile_options,
+            weights=head,
+        )
 
     def run(hidden: torch.Tensor) -> torch.Tensor:
         hidden = fresh(hidden)  # one row's slots, `hidden[:, 1:]`, start one state into their tensor

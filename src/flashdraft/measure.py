@@ -24,7 +24,7 @@ from . import attention as short_query
 from .costs import CostModel
 from .files import atomic_write_text
 from .packed_linear import PackedLinear, is_packed
-from .quantize import Fp16Linear
+from .quantize import Fp16Linear, Int8Linear
 
 VERIFY_LENGTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 # Batched decoding verifies b rows x n tokens in one forward: its cost is read at b * n tokens (the weights are read
@@ -190,7 +190,7 @@ def measure_costs(
     head_s = {}
     for dtype in {weight.dtype, torch.bfloat16}:
         x = rows.to(dtype)
-        packed = dtype == weight.dtype and isinstance(target.lm_head, (PackedLinear, Fp16Linear))
+        packed = dtype == weight.dtype and isinstance(target.lm_head, (PackedLinear, Fp16Linear, Int8Linear))
         if packed:  # the proposer runs it as it is
             head = target.lm_head
         else:

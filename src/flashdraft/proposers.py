@@ -33,7 +33,7 @@ import torch
 
 from .model import DFlashDraftModel, DraftContextCache, block_inputs, draft_logits, scale_draft_logits
 from .packed_linear import PackedLinear
-from .quantize import Fp16Linear
+from .quantize import Fp16Linear, Int8Linear
 from .target import Target, TargetError
 
 if TYPE_CHECKING:
@@ -83,9 +83,12 @@ class DFlashProposer(Proposer):
         target.check_drafter(draft.config)
         self.target = target
         head = target.lm_head
-        # A head packed for oneDNN (packed_linear.py) or for fbgemm's fp16 GEMM (quantize.py) runs as it is, in
-        # fp32: its dense weight may not exist.
-        packed = isinstance(head, (PackedLinear, Fp16Linear)) and dtype in (None, head.compute_dtype)
+        # A head packed for oneDNN (packed_linear.py), for fbgemm's fp16 GEMM or quantized to int8 (quantize.py)
+        # runs as it is, in its own precision: its dense weight may not exist, or be four times its bytes.
+        packed = isinstance(head, (PackedLinear, Fp16Linear, Int8Linear)) and dtype in (
+            None,
+            head.compute_dtype,
+        )
         self.packed_head = head if packed else None
         self.head_weight = None if packed else head.weight
         self.head_bias = None if packed else getattr(head, "bias", None)  # a packed head adds its own

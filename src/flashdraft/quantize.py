@@ -1,9 +1,12 @@
 """Weight-only quantized targets on the CPU (`--quantize int8|fp16`): fewer bytes read per decode step.
 
-int8: every `nn.Linear` of the model (the LM head included) becomes an `Int8Linear`: int8 weights with one bf16 scale
-per output channel (symmetric, absmax / 127), applied by torch's `_weight_int8pack_mm` with bf16 activations (its
-fast path on CPUs; with fp32 activations it is slower than an fp32 matmul, so int8 runs with bf16 activations only).
-The embedding stays bf16.
+int8: every `nn.Linear` of the model (the LM head included) becomes an `Int8Linear`: int8 weights with one scale per
+output channel (symmetric, absmax / 127), applied by torch's `_weight_int8pack_mm`. The activations are the model's
+dtype: bf16 by default (ATen's kernel is fast for them on CPUs with bf16 instructions), or fp32 (`--dtype float32`),
+for the compiled path (`--compile`): there inductor's C++ GEMM template multiplies fp32 rows by the int8 weights
+(compiled.py registers the fp32 x int8 micro-kernel inductor ships but does not offer), where ATen's fp32 kernel is
+slower than an fp32 matmul. Eager, an fp32 `Int8Linear` dequantizes its weight and runs an fp32 matmul (the prefill,
+and a target the static cache cannot serve). The embedding stays in the model's dtype.
 
 fp16: every `nn.Linear` becomes an `Fp16Linear`: its weights rounded to fp16 once and packed for fbgemm's fp16 GEMM
 (`quantized.linear_dynamic_fp16`, x86), which reads them at half the bytes of fp32 and multiplies in fp32; the
@@ -26,6 +29,8 @@ all 3 to 6 rows high, found once per process by probing the kernel (`_fp16_row_c
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,7 +44,7 @@ class QuantizeError(ValueError):
 
 
 class Int8Linear(nn.Module):
-    """y = x @ (weight_int8 * scales).T + bias, for bf16 `x`."""
+    """y = (x @ weight_int8.T) * scales + bias, for `x` in `compute_dtype` (bf16, or fp32 for the compiled path)."""
 
     def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
@@ -62,13 +67,21 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).to(self.compute_dtype).contiguous()  # the kernel reads whole rows
-        out = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales)
+        if self.compute_dtype == torch.float32 and not torch.compiler.is_compiling():
+            # ATen's int8 kernel with fp32 rows is slower than dequantizing (the module docstring); compiled,
+            # the kernel's op is what inductor's GEMM template takes over
+            out = F.linear(rows, self.weight_int8.float()) * self.scales
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, bf16 scales"
+        scales = str(self.compute_dtype).removeprefix("torch.")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, {scales} scales"
+        )
 
 
 class Fp16Linear(nn.Module):
@@ -174,10 +187,10 @@ def check_quantize(scheme: str | None, dtype: torch.dtype | None, device: torch.
                 f"{str(dtype).removeprefix('torch.')}: use --dtype float32 or leave --dtype out"
             )
         return
-    if dtype is not None and dtype != torch.bfloat16:
+    if dtype is not None and dtype not in (torch.bfloat16, torch.float32):
         raise QuantizeError(
-            f"--quantize int8 runs bf16 activations (torch's int8 kernel is fast only for them), not "
-            f"{str(dtype).removeprefix('torch.')}: use --dtype bfloat16 or leave --dtype out"
+            f"--quantize int8 runs bf16 activations (or fp32 ones, compiled), not "
+            f"{str(dtype).removeprefix('torch.')}: use --dtype bfloat16, float32, or leave --dtype out"
         )
 
 
@@ -189,12 +202,15 @@ def quantize_int8(model: nn.Module) -> int:
 
 @torch.no_grad()
 def quantize(model: nn.Module, scheme: str) -> int:
-    """Quantize `model` in place by `scheme` (QUANTIZE_SCHEMES): every nn.Linear becomes an Int8Linear (a bf16
-    model) or an Fp16Linear (an fp32 model); returns how many."""
-    return _replace_linears(model, {"int8": Int8Linear, "fp16": Fp16Linear}[scheme])
+    """Quantize `model` in place by `scheme` (QUANTIZE_SCHEMES): every nn.Linear becomes an Int8Linear (a bf16 or
+    fp32 model, whose dtype its activations keep) or an Fp16Linear (an fp32 model); returns how many."""
+    if scheme == "fp16":
+        return _replace_linears(model, Fp16Linear)
+    dtype = next(model.parameters()).dtype
+    return _replace_linears(model, lambda linear: Int8Linear(linear, compute_dtype=dtype))
 
 
-def _replace_linears(model: nn.Module, kind: type) -> int:
+def _replace_linears(model: nn.Module, kind: Any) -> int:
     replaced = 0
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):

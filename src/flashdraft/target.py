@@ -632,8 +632,8 @@ def load_target(
     pack_linears: bool = True,
 ) -> Target:
     """Load a target by offline pack name (`smollm2-135m-instruct`, ...), local path or Hugging Face hub id;
-    `quantize="int8"`: its linear layers int8 weight-only, bf16 activations; "fp16": fp16 weight-only, fp32
-    activations (CPU; quantize.py). `images`: load an
+    `quantize="int8"`: its linear layers int8 weight-only, bf16 activations (fp32 with `dtype="float32"`, for the
+    compiled path); "fp16": fp16 weight-only, fp32 activations (CPU; quantize.py). `images`: load an
     image-text checkpoint whole, with its vision tower and processor, so prompts may carry images (multimodal.py);
     None: only where transformers has no text-only class for it (Qwen3-VL, LLaVA, Idefics3, ...), so a Qwen3.5
     composite loads its language model alone unless images are asked for. `pack_linears`: an fp32 target on a CPU

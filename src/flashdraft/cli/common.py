@@ -22,8 +22,9 @@ QuantizeOption = Annotated[
     str | None,
     typer.Option(
         "--quantize",
-        help="int8: the target's linear layers int8 weight-only with bf16 activations (CPU); fp16: fp16 "
-        "weight-only with fp32 activations (x86 CPUs); lossless against plain decoding of the same quantized model",
+        help="int8: the target's linear layers int8 weight-only with bf16 activations (CPU), or fp32 ones with "
+        "--dtype float32 (fast with --compile); fp16: fp16 weight-only with fp32 activations (x86 CPUs); lossless "
+        "against plain decoding of the same quantized model",
     ),
 ]
 
