@@ -155,6 +155,25 @@ def test_measured_costs_are_positive_and_cover_the_block(tiny):
     assert costs.lengths == [1, 2, 8, 32] and costs.draft_dtype in ("float32", "bfloat16")
     assert all(float(costs.verify_s(n, 32)) > 0 for n in (1, 3, 8, 32, 64)) and costs.draft_s(32) > 0
     assert costs.draft_batch_s(4, 32) >= costs.draft_s(32) and costs.draft_row_s >= 0
+    assert costs.draft_slot_s >= 0 and costs.draft_batch_s(1, 32, skipped_slots=3) <= costs.draft_s(32)
+
+
+def test_a_draft_pass_whose_head_skips_slots_is_priced_without_them():
+    """The lazy head (the first slots only) is priced as it runs: the head's price per slot and row off for each
+    slot it skipped, never below a quarter of the whole pass (the drafter's layers run whatever the head covers)."""
+    costs = CostModel(
+        lengths=[1],
+        verify_base=[0.010],
+        verify_slope=[0.0],
+        draft_base=0.020,
+        draft_row_s=0.004,
+        draft_slot_s=0.001,
+    )
+    assert costs.draft_batch_s(1, 0) == pytest.approx(0.020)
+    assert costs.draft_batch_s(1, 0, skipped_slots=12) == pytest.approx(0.008)
+    assert costs.draft_batch_s(2, 0, skipped_slots=3) == pytest.approx(0.024 - 0.006)
+    assert costs.draft_batch_s(1, 0, skipped_slots=100) == pytest.approx(0.005)
+    assert CostModel.from_dict({**costs.to_dict(), "draft_slot_s": 0.002}).draft_slot_s == 0.002
 
 
 def test_noisy_costs_never_extrapolate_to_cheaper_or_negative():

@@ -418,11 +418,13 @@ class BatchedDFlashProposer(BatchProposer):
         first = self._first_slots(rows, context)
         tokens, confidence = self.draft_rows(rows, first)
         tokens, confidence = tokens.cpu(), confidence.cpu()  # the policy reads them on the host
-        predicted = self.costs.draft_batch_s(b, context)
+        # priced with the head over the slots it covered (the lazy head skips the others)
+        skipped = 0 if first is None else self.max_block_size - 1 - first
+        predicted = self.costs.draft_batch_s(b, context, skipped)
         if self.online_costs and b > 1:  # the first measurement counts at once, as for the verify
             ratio = (time.perf_counter() - t0) / max(predicted, 1e-9) / self._verify_ratio(b)
             self.draft_ratio = ratio if self.draft_ratio is None else _ema(self.draft_ratio, ratio)
-        draft_s = self.costs.draft_batch_s(b, context)
+        draft_s = predicted
         if b > 1:
             draft_s *= (self.draft_ratio or 1.0) * self._verify_ratio(b)
 

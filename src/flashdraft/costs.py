@@ -25,6 +25,9 @@ class CostModel:
     draft_base: float = 0.0
     draft_slope: float = 0.0
     draft_row_s: float = 0.0
+    # the drafter's LM head per slot and row: a draft pass whose head covers k fewer slots (the lazy head,
+    # batched_dflash.py) costs k x this less
+    draft_slot_s: float = 0.0
     draft_dtype: str = "float32"  # the precision the drafter and its head run in (the faster one measured)
     head_s: dict[str, float] = field(default_factory=dict)  # draft-head time per dtype, for the record
     measured_s: float = 0.0
@@ -48,16 +51,19 @@ class CostModel:
     def draft_s(self, context: int) -> float:
         return self.draft_base + self.draft_slope * context
 
-    def draft_batch_s(self, rows: int, context: int) -> float:
-        """One draft pass over `rows` rows (batched decoding), each after about `context` tokens."""
-        return self.draft_s(context) + max(0, rows - 1) * self.draft_row_s
+    def draft_batch_s(self, rows: int, context: int, skipped_slots: int = 0) -> float:
+        """One draft pass over `rows` rows (batched decoding), each after about `context` tokens, its LM head over
+        all slots but `skipped_slots`."""
+        full = self.draft_s(context) + max(0, rows - 1) * self.draft_row_s
+        return max(full - skipped_slots * max(1, rows) * self.draft_slot_s, 0.25 * full)
 
     def summary(self, context: int = 256) -> str:
         plain = float(self.verify_s(1, context))
         ratios = ", ".join(f"{n}: {float(self.verify_s(n, context)) / plain:.2f}" for n in self.lengths[1:])
         return (
             f"cost model @ {context} tokens of context: plain step {plain * 1e3:.1f} ms, draft pass "
-            f"{self.draft_s(context) * 1e3:.1f} ms ({self.draft_dtype}), verify t(n)/t(1) = {ratios}"
+            f"{self.draft_s(context) * 1e3:.1f} ms ({self.draft_dtype}; its head {self.draft_slot_s * 1e3:.2f} ms a "
+            f"slot), verify t(n)/t(1) = {ratios}"
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -32,8 +32,9 @@ VERIFY_LENGTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 BATCH_TOKENS = (32, 64, 128)
 DRAFT_BATCH_ROWS = 4
 CONTEXTS = (64, 512)
-COST_MODEL_VERSION = 4  # 3: the machine named with its vector extensions (cpu_name); 4: beside a static
-# cache the draft pass is timed through the engine's own proposer (its compiled block pass, if compiled)
+COST_MODEL_VERSION = 5  # 3: the machine named with its vector extensions (cpu_name); 4: beside a static
+# cache the draft pass is timed through the engine's own proposer (its compiled block pass, if compiled); 5: the
+# draft head's price per slot (draft_slot_s)
 
 
 def cost_cache_dir() -> Path:
@@ -205,6 +206,7 @@ def measure_costs(
 
     per_context: list[list[float]] = []
     draft_times: list[float] = []
+    slot_s: float | None = None
     proposer = None if static else DFlashProposer(draft, target, dtype=getattr(torch, draft_dtype))
     for c in contexts:
         if static:
@@ -236,6 +238,14 @@ def measure_costs(
 
         per_context.append([median_seconds(lambda n=n: verify(n), repeats) for n in lengths])
         draft_times.append(median_seconds(draft_pass, repeats))
+        if slot_s is None:  # the head the engine drafts with, over one slot and over all of them
+            head = engine.proposer.head_logits if static else proposer.head_logits
+            hidden = torch.randn(block - 1, target.hidden_size, generator=gen).to(
+                device, getattr(torch, draft_dtype)
+            )
+            head(hidden)  # a compiled head compiles here, not in the timing
+            full, one = (median_seconds(lambda k=k: head(hidden[:k]), repeats) for k in (block - 1, 1))
+            slot_s = max(0.0, (full - one) / max(1, block - 2))
     c0, c1 = contexts[0], contexts[-1]
     span = max(c1 - c0, 1)
     one_row, many_rows = (
@@ -258,6 +268,7 @@ def measure_costs(
         draft_base=draft_times[0] - d_slope * c0,
         draft_slope=d_slope,
         draft_row_s=max(0.0, (many_rows - one_row) / (DRAFT_BATCH_ROWS - 1)),
+        draft_slot_s=slot_s or 0.0,
         draft_dtype=draft_dtype,
         head_s=head_s,
         measured_s=time.perf_counter() - t_start,
