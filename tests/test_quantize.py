@@ -24,6 +24,7 @@ from flashdraft.quantize import (
     QuantizeError,
     _fp16_row_counts,
     check_quantize,
+    default_dtype,
     fp16_available,
     quantize,
 )
@@ -136,6 +137,10 @@ def test_what_int8_cannot_run_is_refused():
     with pytest.raises(QuantizeError, match="must be one of int8, fp16, got 'int4'"):
         check_quantize("int4", None, cpu)
     check_quantize("int8", torch.float32, cpu)  # fp32 activations: the compiled path's int8
+    # int8 runs bf16 activations, and fp32 ones compiled where the CPU has no bf16 instructions
+    bf16_cpu = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert default_dtype("int8") == torch.bfloat16 and default_dtype("fp16", compiled=True) == torch.float32
+    assert default_dtype("int8", compiled=True) == (torch.bfloat16 if bf16_cpu else torch.float32)
     with pytest.raises(QuantizeError, match="runs bf16 activations .* not float16"):
         check_quantize("int8", torch.float16, cpu)
     with pytest.raises(QuantizeError, match="for CPUs"):

@@ -8,7 +8,8 @@ position inside a graph) and gives it torch.compile's options for its device:
          compiled step's dynamo cache lookup took 243 us, a tenth of a 2.5 ms verify).
     CPU  inductor's C++ kernels with the weights frozen into the graph (`freezing`: constants), every
          linear through inductor's own C++ GEMM template (`max_autotune_gemm` with the `CPP` backend, ATen's GEMM
-         where it has none: bf16 on a CPU without bf16 instructions; `one_gemm_choice`), and dynamo's
+         where it has none: bf16 on a CPU without bf16 instructions; `one_gemm_choice`; int8 weights with fp32
+         activations too, `_register_fp32_int8_micro_gemm`), and dynamo's
          guards on the model's modules skipped (the target is frozen; checking its ~2,000 module guards cost 1.5 ms
          a step, and keeping only those on which module it is still 1 ms). `freezing` must also be set while dynamo traces
          (`compile_whole`): given through torch.compile's options alone it froze nothing (the engine's graphs ran

@@ -244,7 +244,9 @@ def measure_costs(
                 device, getattr(torch, draft_dtype)
             )
             head(hidden)  # a compiled head compiles here, not in the timing
-            full, one = (median_seconds(lambda k=k: head(hidden[:k]), repeats) for k in (block - 1, 1))
+            full, one = (
+                median_seconds(lambda k=k, h=head, x=hidden: h(x[:k]), repeats) for k in (block - 1, 1)
+            )
             slot_s = max(0.0, (full - one) / max(1, block - 2))
     c0, c1 = contexts[0], contexts[-1]
     span = max(c1 - c0, 1)

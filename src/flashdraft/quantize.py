@@ -161,9 +161,15 @@ def fp16_available() -> bool:
     )
 
 
-def default_dtype(scheme: str) -> torch.dtype:
-    """The dtype a quantized model runs in around its quantized layers."""
-    return torch.float32 if scheme == "fp16" else torch.bfloat16
+def default_dtype(scheme: str, compiled: bool = False) -> torch.dtype:
+    """The dtype a quantized model runs in around its quantized layers: fp32 for fp16 weights; for int8 ones bf16,
+    but fp32 when `compiled` on a CPU without bf16 instructions (avx512_bf16 or AMX), where bf16 is emulated and
+    inductor's GEMM template multiplies fp32 rows by the int8 weights (benchmarks/README.md, 2026-11-28)."""
+    if scheme == "fp16":
+        return torch.float32
+    if compiled and not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
+        return torch.float32
+    return torch.bfloat16
 
 
 def check_quantize(scheme: str | None, dtype: torch.dtype | None, device: torch.device) -> None:

@@ -630,6 +630,7 @@ def load_target(
     quantize: str | None = None,
     images: bool | None = None,
     pack_linears: bool = True,
+    compiled: bool = False,
 ) -> Target:
     """Load a target by offline pack name (`smollm2-135m-instruct`, ...), local path or Hugging Face hub id;
     `quantize="int8"`: its linear layers int8 weight-only, bf16 activations (fp32 with `dtype="float32"`, for the
@@ -637,7 +638,8 @@ def load_target(
     image-text checkpoint whole, with its vision tower and processor, so prompts may carry images (multimodal.py);
     None: only where transformers has no text-only class for it (Qwen3-VL, LLaVA, Idefics3, ...), so a Qwen3.5
     composite loads its language model alone unless images are asked for. `pack_linears`: an fp32 target on a CPU
-    runs its linear layers through oneDNN with packed weights (packed_linear.py; False for training)."""
+    runs its linear layers through oneDNN with packed weights (packed_linear.py; False for training). `compiled`: it
+    will decode through `--compile` (with `quantize`, the dtype left out follows: quantize.default_dtype)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     from .packs import resolve_model
@@ -647,7 +649,7 @@ def load_target(
 
     device = parse_device(device)
     check_quantize(quantize, parse_dtype(dtype), device)
-    dtype = parse_dtype(dtype) or (quantized_dtype(quantize) if quantize else default_dtype(device))
+    dtype = parse_dtype(dtype) or (quantized_dtype(quantize, compiled) if quantize else default_dtype(device))
     path = resolve_model(name_or_path, auto_fetch=auto_fetch)
     processor = None
     try:

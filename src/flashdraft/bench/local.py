@@ -97,7 +97,12 @@ class LocalMethods:
 
         self.cfg = cfg
         self.target = load_target(
-            cfg.target, dtype=cfg.dtype, device=cfg.device, quantize=cfg.quantize, images=images or None
+            cfg.target,
+            dtype=cfg.dtype,
+            device=cfg.device,
+            quantize=cfg.quantize,
+            images=images or None,
+            compiled=cfg.compile_verify,
         )
         self.target.check_decodable()
         self.compile_note = compile_verify(self.target) if cfg.compile_verify else None

@@ -194,7 +194,12 @@ def generate_command(
 
     t0 = time.perf_counter()
     tgt = load_target(
-        target_path, dtype=torch_dtype, device=dev, quantize=quantize, images=bool(images) or None
+        target_path,
+        dtype=torch_dtype,
+        device=dev,
+        quantize=quantize,
+        images=bool(images) or None,
+        compiled=compile_verify,
     )
     tgt.name = target
     if compile_verify:

@@ -77,7 +77,9 @@ def serve_command(
         raise GenerationError(f"--max-queue must be >= 1, got {max_queue}")
     if max_batch_size < 1:
         raise GenerationError(f"--max-batch-size must be >= 1, got {max_batch_size}")
-    tgt = load_target(target, dtype=torch_dtype, device=dev, quantize=quantize, images=images)
+    tgt = load_target(
+        target, dtype=torch_dtype, device=dev, quantize=quantize, images=images, compiled=compile_verify
+    )
     tgt.check_decodable()
     if compile_verify:
         compile_or_note(tgt)
