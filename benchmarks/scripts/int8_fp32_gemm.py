@@ -16,6 +16,7 @@ from flashdraft.kv_cache import symbolic_sizes
 variant = sys.argv[1]
 if variant == "int8-aten":  # as before flashdraft registered the configuration
     compiled._register_fp32_int8_micro_gemm.done = True
+torch._inductor.config.fx_graph_cache = False  # the variants freeze the same weights: no graph from another
 torch.manual_seed(0)
 torch.set_grad_enabled(False)  # frozen graphs only under no_grad
 
