@@ -440,20 +440,18 @@ def draft_head(
         return heads[key]
     if module is not None:
         head = module
-        compiled = compile_whole(
-            lambda hidden: scale_draft_logits(config, head(hidden).float()),
-            target.compile_options,
-            weights=head,
-        )
+
+        def logits(hidden: torch.Tensor) -> torch.Tensor:
+            return scale_draft_logits(config, head(hidden).float())
     else:
         head = torch.nn.Module()  # the weights as a module's parameters: constants of the frozen graph
         head.weight = torch.nn.Parameter(weight, requires_grad=False)
         head.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
-        compiled = compile_whole(
-            lambda hidden: draft_logits(config, hidden, head.weight, head.bias),
-            target.compile_options,
-            weights=head,
-        )
+
+        def logits(hidden: torch.Tensor) -> torch.Tensor:
+            return draft_logits(config, hidden, head.weight, head.bias)
+
+    compiled = compile_whole(logits, target.compile_options, weights=head)
 
     def run(hidden: torch.Tensor) -> torch.Tensor:
         hidden = fresh(hidden)  # one row's slots, `hidden[:, 1:]`, start one state into their tensor
