@@ -199,22 +199,24 @@ def test_compiled_fp32_int8_layers_give_a_row_its_bits_at_any_row_count():
     from flashdraft.kv_cache import symbolic_sizes
 
     torch.manual_seed(0)
-    shapes = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 4000)]
+    # each layer its own input, so none is fused with another (`_register_int8_concat_linear`); q / k / v as one
+    # (768) and gate / up as one (3072) are what the engine's graphs run
+    shapes = [(576, 576), (576, 192), (576, 768), (576, 1536), (576, 3072), (1536, 576), (576, 4000)]
     layers = nn.ModuleList(
         Int8Linear(nn.Linear(i, o, bias=False), compute_dtype=torch.float32) for i, o in shapes
     ).eval()
     step = compile_whole(
-        lambda a, b: [layer(a if layer.in_features == 576 else b) for layer in layers],
+        lambda inputs: [layer(x) for layer, x in zip(layers, inputs, strict=True)],
         compile_options(torch.device("cpu")),
         weights=layers,
     )
-    x, wide = torch.randn(17, 576), torch.randn(17, 1536)
+    x = [torch.randn(17, i) for i, _ in shapes]
 
     def run(rows: int) -> list[torch.Tensor]:
-        a, b = x[:rows].clone(), wide[:rows].clone()
-        symbolic_sizes(a, 0)
-        symbolic_sizes(b, 0)
-        return step(a, b)
+        inputs = [t[:rows].clone() for t in x]
+        for t in inputs:
+            symbolic_sizes(t, 0)
+        return step(inputs)
 
     with torch.no_grad():
         alone = run(1)
@@ -222,6 +224,50 @@ def test_compiled_fp32_int8_layers_give_a_row_its_bits_at_any_row_count():
             together = run(rows)
             for (i, o), one, many in zip(shapes, alone, together, strict=True):
                 assert torch.equal(many[:1], one), f"{i} -> {o} at {rows} rows"
+
+
+def test_compiled_int8_layers_reading_one_input_are_one_gemm_with_their_values():
+    """Frozen, the int8 layers that read the same rows (q / k / v, gate / up) are one GEMM over their weights
+    concatenated (`_register_int8_concat_linear`): 2 template kernels for 5 layers, each output its layer's product
+    (ATen's int8 kernel, to fp32 rounding), a row the same bits at any row count."""
+    from torch._dynamo.utils import counters
+
+    from flashdraft.compiled import compile_options, compile_whole
+    from flashdraft.kv_cache import symbolic_sizes
+
+    torch.manual_seed(1)
+    outs = (96, 32, 32, 160, 160)  # q, k, v; gate, up
+    layers = nn.ModuleList(
+        Int8Linear(nn.Linear(96, o, bias=False), compute_dtype=torch.float32) for o in outs
+    ).eval()
+
+    def block(x: torch.Tensor) -> list[torch.Tensor]:
+        q, k, v = (layer(x) for layer in layers[:3])
+        gate, up = (layer(x + 1) for layer in layers[3:])
+        return [q, k, v, gate, up]
+
+    x = torch.randn(9, 96)
+    want = [
+        torch.ops.aten._weight_int8pack_mm(rows, layer.weight_int8, layer.scales)
+        for rows, layer in zip([x] * 3 + [x + 1] * 2, layers, strict=True)
+    ]
+    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+        torch._dynamo.reset()
+        counters.clear()
+        step = compile_whole(block, compile_options(torch.device("cpu")), weights=layers)
+
+        def run(rows: int) -> list[torch.Tensor]:
+            part = x[:rows].clone()
+            symbolic_sizes(part, 0)
+            return step(part)
+
+        alone = run(1)
+        assert counters["inductor"]["cpp_templated_kernel_counter"] == 2  # q/k/v and gate/up, one GEMM each
+        together = run(9)
+    for got, expected in zip(together, want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for one, many in zip(alone, together, strict=True):
+        assert torch.equal(many[:1], one)
 
 
 def test_compiled_dflash_on_an_fp32_int8_target_is_plain_decoding_of_it():

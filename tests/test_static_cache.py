@@ -15,7 +15,7 @@ from flashdraft import DFlashDraftModel, Target, attention, generate_ar
 from flashdraft.compiled import compile_verify, draft_block_pass, verify_forward
 from flashdraft.engine import BatchDecoder
 from flashdraft.generate import generate, generate_batch, run
-from flashdraft.kv_cache import CAPACITY_STEP, VERIFY_BUCKETS, kv_layers, static_mask
+from flashdraft.kv_cache import CAPACITY_STEP, MASK_STEP, VERIFY_BUCKETS, kv_layers, static_mask
 from flashdraft.measure import cost_key, measure_costs
 from flashdraft.proposers import PerRowProposers
 from flashdraft.sampling import SamplingParams
@@ -30,9 +30,10 @@ def prompts_and_limits(seed: int) -> tuple[list[list[int]], list[int]]:
     return prompts, [33, 9, 41, 2, 25]
 
 
-def decode_rows(target, model, prompts, limits, temperature, record=None):
+def decode_rows(target, model, prompts, limits, temperature, record=None, masks=None):
     """Rows joining and leaving a batch of 3, an oracle proposer accepting a random prefix of each block; returns
-    (results, plain decoding's results) and the decoder."""
+    (results, plain decoding's results) and the decoder. `masks`: each verify's (mask width, columns cached before
+    it, capacity) appended."""
     plain = Target(model)  # growing cache, eager: the reference
     alone = [generate_ar(plain, p, m, temperature=temperature, seed=7 + i, stop_token_ids=[])
              for i, (p, m) in enumerate(zip(prompts, limits, strict=True))]  # fmt: skip
@@ -49,6 +50,16 @@ def decode_rows(target, model, prompts, limits, temperature, record=None):
             return forward(block, positions, tree)
 
         decoder.forward_block = recorded
+    if masks is not None:
+        verify = decoder.verify
+
+        def seen(block, positions, mask, cache):
+            static = kv_layers(cache)[0].static
+            masks.append((mask.shape[-1], decoder.valid.shape[1], static.capacity))
+            return verify(block, positions, mask, cache)
+
+        seen.compiled = verify.compiled
+        decoder.verify = seen
     got = run(
         decoder, prompts, limits, SamplingParams(temperature=temperature), [], [7 + i for i in range(5)]
     )
@@ -67,6 +78,25 @@ def test_static_cache_decodes_what_plain_decoding_gives(models, arch, temperatur
         assert g.new_tokens == a.new_tokens
     assert {n for (_, n), _ in shapes} <= {*VERIFY_BUCKETS, 7}  # padded to buckets (or the block)
     assert all(capacity % CAPACITY_STEP == 0 for _, capacity in shapes)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_the_cpu_static_cache_attends_over_the_columns_in_use(models, temperature):
+    """On a CPU the engine's mask covers the columns in use rounded up to MASK_STEP, not the whole capacity, and
+    attention.py's attention reads only those: rows joining and leaving still get plain decoding's tokens."""
+    target = Target(models["llama"])
+    target.static_cache = True
+    masks = []
+    prompts = [[5 + (7 * i + j) % 90 for j in range(length)] for i, length in enumerate((70, 3, 140, 20, 64))]
+    got, alone, decoder = decode_rows(
+        target, models["llama"], prompts, [33, 9, 41, 2, 25], temperature, masks=masks
+    )
+    assert decoder.narrow_mask and models["llama"].config._attn_implementation == attention.NAME
+    for g, a in zip(got, alone, strict=True):
+        assert g.new_tokens == a.new_tokens
+    for width, columns, capacity in masks:
+        assert columns < width < capacity and (width % MASK_STEP == 0 or width == capacity - 1)
+    assert len({width for width, _, _ in masks}) >= 2
 
 
 def test_one_row_keeps_its_buffers_and_moves_a_length(models):

@@ -59,6 +59,12 @@ def short_query_attention(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     b, heads, n, d = query.shape
+    if attention_mask is not None and attention_mask.dim() == 4:
+        # The engine's static cache (`narrow_mask`): its mask may cover only the columns in use. Compiled, always cut
+        # (no guard on which width is the smaller: one graph for both).
+        width = torch.sym_min(attention_mask.shape[-1], key.shape[2])
+        if torch.compiler.is_compiling() or width < key.shape[2]:
+            key, value = key[:, :, :width], value[:, :, :width]
     kv_heads, length = key.shape[1], key.shape[2]
     if n > SHORT_QUERY or dropout or any(kwargs.get(k) is not None for k in _UNSUPPORTED) or heads % kv_heads:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
@@ -89,6 +95,18 @@ def short_query_attention(
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
     out = torch.matmul(probs.view(b, kv_heads, groups * n, length), value)
     return out.view(b, heads, n, value.shape[-1]).transpose(1, 2).contiguous(), None  # MLA: v heads narrower
+
+
+def narrow_mask(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the engine gives `model` a static-cache mask narrower than the cache (the columns in use, rounded up
+    to `kv_cache.MASK_STEP`), which this module's attention reads alone: its two products and the softmax scale
+    with the columns they read (SmolLM2-135M's two products took 18 / 33 / 61 µs per KV head at 256 / 512 / 1,024
+    columns for one query, one thread, 2-core AMD EPYC), and a static capacity runs up to twice the columns in use.
+    On a CPU in fp32 only: the products' summation order follows the width, so a token's bits can change with it
+    (fp32's verify is not batch-invariant anyway: benchmarks/README.md), where bf16 keeps one width per capacity
+    for the bits it claims; and not on a GPU, where a fixed width is what a CUDA graph replays."""
+    attention = getattr(model.config, "_attn_implementation", None)
+    return attention == NAME and device.type == "cpu" and dtype == torch.float32
 
 
 def register() -> None:

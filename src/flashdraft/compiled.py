@@ -9,7 +9,8 @@ position inside a graph) and gives it torch.compile's options for its device:
     CPU  inductor's C++ kernels with the weights frozen into the graph (`freezing`: constants), every
          linear through inductor's own C++ GEMM template (`max_autotune_gemm` with the `CPP` backend, ATen's GEMM
          where it has none: bf16 on a CPU without bf16 instructions; `one_gemm_choice`; int8 weights with fp32
-         activations too, `_register_fp32_int8_micro_gemm`), and dynamo's
+         activations too, `_register_fp32_int8_micro_gemm`, the int8 layers of one input as one GEMM,
+         `_register_int8_concat_linear`), and dynamo's
          guards on the model's modules skipped (the target is frozen; checking its ~2,000 module guards cost 1.5 ms
          a step, and keeping only those on which module it is still 1 ms). `freezing` must also be set while dynamo traces
          (`compile_whole`): given through torch.compile's options alone it froze nothing (the engine's graphs ran
@@ -155,6 +156,7 @@ def compile_whole(fn: Any, compile_options: dict[str, Any], weights: Any = None)
 
     _register_one_gemm_choice()
     _register_fp32_int8_micro_gemm()
+    _register_int8_concat_linear()
     _no_onednn_prepack()
     unrecorded = _unrecorded_cache_artifacts()
     compiler_config = torch.compiler.config
@@ -281,6 +283,66 @@ def _register_fp32_int8_micro_gemm() -> None:
             input2_dtype=torch.int8,
             output_dtype=torch.float32,
             compute_dtype=torch.float32,
+        )
+
+
+def _register_int8_concat_linear() -> None:
+    """Once per process, before any frozen graph: inductor's freezing passes turn int8 linears that read the same
+    rows (an attention's q / k / v projections, an MLP's gate and up) into one GEMM over their weights and scales
+    concatenated (constants, folded once at compile time), its output split. inductor has this fusion for fp32
+    weights and bf16-dequantized int8 ones (`cpp.enable_concat_linear`, off by default), not for the kernel op
+    `Int8Linear` calls. On a 2-core AMD EPYC (avx2) SmolLM2-135M's int8 x fp32 step ran 211 GEMMs of 7-39 us each;
+    121 GEMMs do the same work with fewer calls and wider outputs per call (benchmarks/README.md). Every output
+    column is still its row's dot product with its weight row, summed as the template sums any row."""
+    if getattr(_register_int8_concat_linear, "done", False):
+        return
+    _register_int8_concat_linear.done = True
+    try:
+        import functools
+
+        import torch._inductor.lowering  # noqa: F401 - inductor's modules import in this order
+        from torch._inductor.fx_passes.freezing_patterns import pass_patterns
+        from torch._inductor.pattern_matcher import fwd_only, register_replacement
+    except (ImportError, AttributeError):  # another torch: one GEMM per linear, as before
+        return
+    int8_mm = torch.ops.aten._weight_int8pack_mm.default
+
+    def frozen(match: Any, names: tuple[str, ...]) -> bool:
+        """The weights and scales are the graph's constants, in a graph compile_whole freezes."""
+        return getattr(_THREAD, "one_gemm_choice", False) and all(
+            match.kwargs[name].op == "get_attr" for name in names
+        )
+
+    def three(x, w1, w2, w3, s1, s2, s3):
+        return int8_mm(x, w1, s1), int8_mm(x, w2, s2), int8_mm(x, w3, s3)
+
+    def three_as_one(x, w1, w2, w3, s1, s2, s3):
+        out = int8_mm(x, torch.cat((w1, w2, w3)), torch.cat((s1, s2, s3)))
+        return out.split([w1.size(0), w2.size(0), w3.size(0)], dim=1)
+
+    def two(x, w1, w2, s1, s2):
+        return int8_mm(x, w1, s1), int8_mm(x, w2, s2)
+
+    def two_as_one(x, w1, w2, s1, s2):
+        out = int8_mm(x, torch.cat((w1, w2)), torch.cat((s1, s2)))
+        return out.split([w1.size(0), w2.size(0)], dim=1)
+
+    rows = functools.partial(torch.empty, (8, 16))
+    weight = functools.partial(torch.empty, (8, 16), dtype=torch.int8)
+    scale = functools.partial(torch.empty, (8,))
+    for pattern, replacement, names in (
+        (three, three_as_one, ("w1", "w2", "w3", "s1", "s2", "s3")),
+        (two, two_as_one, ("w1", "w2", "s1", "s2")),
+    ):
+        k = len(names) // 2
+        register_replacement(
+            pattern,
+            replacement,
+            [rows()] + [weight() for _ in range(k)] + [scale() for _ in range(k)],
+            fwd_only,
+            pass_patterns[0],
+            extra_check=functools.partial(frozen, names=names),
+            exclusive_arg_names=names,
         )
 
 

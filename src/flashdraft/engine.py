@@ -39,9 +39,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import attention
 from .compiled import verify_forward
 from .grammar import Constraint, RowGrammar, compile_constraint, mask_logits
 from .kv_cache import (
+    MASK_STEP,
     VERIFY_BUCKETS,
     batch_cache,
     bucket,
@@ -155,6 +157,7 @@ class BatchDecoder:
         # forces it either way: the tests run it on the CPU).
         self.static = uses_static_cache(target)
         self.verify = verify_forward(target, proposer.tap_layer_ids) if self.static else None
+        self.narrow_mask = self.static and attention.narrow_mask(target.model, target.device, target.dtype)
         # Verify lengths padded up to a few sizes on a GPU and with the static cache, so a step has one of a handful
         # of shapes (what a captured graph needs); the padding is verified like drafts, so it can only add tokens.
         self.verify_buckets: tuple[int, ...] | None = VERIFY_BUCKETS if on_gpu or self.static else None
@@ -377,11 +380,17 @@ class BatchDecoder:
             positions = self.target.model_positions(positions, torch.tensor(shifts) if any(shifts) else None)
         if self.static:
             columns = self.valid.shape[1]
-            static = reserve(self.cache, columns + n, mark_static=self.verify.compiled)
+            # A narrow mask (the columns in use, rounded up: what the attention reads) stays narrower than the
+            # capacity: one free column is kept. A mask as wide as the cache is another graph (dynamo guards on
+            # whether the keys cut to its width are the whole buffer).
+            static = reserve(self.cache, columns + n + self.narrow_mask, mark_static=self.verify.compiled)
             static.columns = torch.arange(columns, columns + n, device=block.device)
             valid = self.valid.to(block.device, non_blocking=True)
             tree = None if tree is None else tree.to(block.device, non_blocking=True)
-            mask = static_mask(valid, n, static.capacity, self.target.dtype, tree)
+            width = static.capacity
+            if self.narrow_mask:
+                width = min(width - 1, -(-(columns + n) // MASK_STEP) * MASK_STEP)
+            mask = static_mask(valid, n, width, self.target.dtype, tree)
             logits, features = self.verify(block, positions, mask, self.cache)
             set_length(self.cache, columns + n)
             return TargetOutput(logits=logits, features=features)

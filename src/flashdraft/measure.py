@@ -32,9 +32,10 @@ VERIFY_LENGTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 BATCH_TOKENS = (32, 64, 128)
 DRAFT_BATCH_ROWS = 4
 CONTEXTS = (64, 512)
-COST_MODEL_VERSION = 5  # 3: the machine named with its vector extensions (cpu_name); 4: beside a static
+COST_MODEL_VERSION = 6  # 3: the machine named with its vector extensions (cpu_name); 4: beside a static
 # cache the draft pass is timed through the engine's own proposer (its compiled block pass, if compiled); 5: the
-# draft head's price per slot (draft_slot_s)
+# draft head's price per slot (draft_slot_s); 6: on a CPU in fp32 the static verify reads only the columns in use
+# (attention.narrow_mask), and int8 layers of one input are one GEMM (compiled._register_int8_concat_linear)
 
 
 def cost_cache_dir() -> Path:
