@@ -293,7 +293,9 @@ def _register_int8_concat_linear() -> None:
     weights and bf16-dequantized int8 ones (`cpp.enable_concat_linear`, off by default), not for the kernel op
     `Int8Linear` calls. On a 2-core AMD EPYC (avx2) SmolLM2-135M's int8 x fp32 step ran 211 GEMMs of 7-39 us each;
     121 GEMMs do the same work with fewer calls and wider outputs per call (benchmarks/README.md). Every output
-    column is still its row's dot product with its weight row, summed as the template sums any row."""
+    column is still its row's dot product with its weight row, summed as the template sums any row (tested at the
+    fused widths). With fp32 activations only: bf16 rows keep one GEMM per layer, their bits at the fused widths not
+    checked on a CPU with bf16 instructions."""
     if getattr(_register_int8_concat_linear, "done", False):
         return
     _register_int8_concat_linear.done = True
@@ -308,9 +310,13 @@ def _register_int8_concat_linear() -> None:
     int8_mm = torch.ops.aten._weight_int8pack_mm.default
 
     def frozen(match: Any, names: tuple[str, ...]) -> bool:
-        """The weights and scales are the graph's constants, in a graph compile_whole freezes."""
-        return getattr(_THREAD, "one_gemm_choice", False) and all(
-            match.kwargs[name].op == "get_attr" for name in names
+        """fp32 rows, and the weights and scales the graph's constants, in a graph compile_whole freezes."""
+        rows = match.kwargs["x"].meta.get("val")
+        return (
+            getattr(_THREAD, "one_gemm_choice", False)
+            and rows is not None
+            and rows.dtype == torch.float32
+            and all(match.kwargs[name].op == "get_attr" for name in names)
         )
 
     def three(x, w1, w2, w3, s1, s2, s3):
