@@ -100,8 +100,9 @@ def short_query_attention(
 def narrow_mask(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the engine gives `model` a static-cache mask narrower than the cache (the columns in use, rounded up
     to `kv_cache.MASK_STEP`), which this module's attention reads alone: its two products and the softmax scale
-    with the columns they read (SmolLM2-135M's two products took 18 / 33 / 61 µs per KV head at 256 / 512 / 1,024
-    columns for one query, one thread, 2-core AMD EPYC), and a static capacity runs up to twice the columns in use.
+    with the columns they read (one query of SmolLM2-135M, its three KV heads: the first product took 18 / 33 / 61
+    µs a layer at 256 / 512 / 1,024 columns, one thread, 2-core AMD EPYC), and a static capacity runs up to twice
+    the columns in use.
     On a CPU in fp32 only: the products' summation order follows the width, so a token's bits can change with it
     (fp32's verify is not batch-invariant anyway: benchmarks/README.md), where bf16 keeps one width per capacity
     for the bits it claims; and not on a GPU, where a fixed width is what a CUDA graph replays."""

@@ -8,10 +8,11 @@ Every KV layer of the engine's cache is a `KVBuffer`, in one of two modes:
              gpt-fast's and vLLM's: a verify writes its columns where `StaticColumns.columns` says (a tensor, so the
              write is the same kernel at every position) and the layer attends over the whole buffer under a
              [b, 1, n, capacity] mask the engine builds (`static_mask`); the columns past the valid length are stale
-             and masked. On a CPU in fp32 the mask covers only the columns in use, rounded up to MASK_STEP and
-             narrower than the capacity, and the attention reads only those (`attention.narrow_mask`). A verify of n tokens by b rows has one shape per (b, n, capacity), the engine pads n to a
-             few buckets (`bucket`), no position enters the graph, and a rollback is a length moved on the host:
-             what compiled.py needs to compile the verify.
+             and masked (on a CPU in fp32 the mask covers only the columns in use, rounded up to MASK_STEP and
+             narrower than the capacity, and the attention reads only those: `attention.narrow_mask`). A verify of
+             n tokens by b rows has one shape per (b, n, capacity), the engine pads n to a few buckets (`bucket`),
+             no position enters the graph, and a rollback is a length moved on the host: what compiled.py needs to
+             compile the verify.
 
 The static mode serves attention-only targets without sliding windows; sliding-window and recurrent targets decode
 in the growing mode (their windows and recurrent states are rolled back by the engine, not by a length).
