@@ -43,12 +43,12 @@ from . import attention
 from .compiled import verify_forward
 from .grammar import Constraint, RowGrammar, compile_constraint, mask_logits
 from .kv_cache import (
-    MASK_STEP,
     VERIFY_BUCKETS,
     batch_cache,
     bucket,
     is_sliding,
     kv_layers,
+    narrow_width,
     reserve,
     set_length,
     static_mask,
@@ -383,13 +383,13 @@ class BatchDecoder:
             # A narrow mask (the columns in use, rounded up: what the attention reads) stays narrower than the
             # capacity: one free column is kept. A mask as wide as the cache is another graph (dynamo guards on
             # whether the keys cut to its width are the whole buffer).
-            static = reserve(self.cache, columns + n + self.narrow_mask, mark_static=self.verify.compiled)
+            static = reserve(
+                self.cache, columns + n + int(self.narrow_mask), mark_static=self.verify.compiled
+            )
             static.columns = torch.arange(columns, columns + n, device=block.device)
             valid = self.valid.to(block.device, non_blocking=True)
             tree = None if tree is None else tree.to(block.device, non_blocking=True)
-            width = static.capacity
-            if self.narrow_mask:
-                width = min(width - 1, -(-(columns + n) // MASK_STEP) * MASK_STEP)
+            width = narrow_width(columns + n, static.capacity) if self.narrow_mask else static.capacity
             mask = static_mask(valid, n, width, self.target.dtype, tree)
             logits, features = self.verify(block, positions, mask, self.cache)
             set_length(self.cache, columns + n)

@@ -426,6 +426,13 @@ def set_length(cache: Any, length: int) -> None:
         layer._len = layer._vlen = length
 
 
+def narrow_width(columns: int, capacity: int) -> int:
+    """The width of a narrow static mask (`attention.narrow_mask`) over `columns` columns: rounded up to MASK_STEP,
+    and below the capacity (a width equal to it is another graph: dynamo guards on whether the cut keys are the
+    whole buffer), so the cache keeps one free column."""
+    return min(capacity - 1, -(-columns // MASK_STEP) * MASK_STEP)
+
+
 def static_mask(
     valid: torch.Tensor, n: int, capacity: int, dtype: torch.dtype, tree: torch.Tensor | None = None
 ) -> torch.Tensor:
