@@ -31,6 +31,7 @@ from flashdraft import (  # noqa: E402
     generate_batch,
 )
 from flashdraft.costs import CostModel  # noqa: E402
+from flashdraft.grammar import RowGrammar, compile_constraint  # noqa: E402
 from flashdraft.sampling import target_probs  # noqa: E402
 
 VOCAB = 320
@@ -145,6 +146,88 @@ def test_the_grammar_steers_the_drafts_so_forced_text_is_accepted_whole(targets,
     monkeypatch.setattr(flashdraft.batched_dflash, "steer_drafts", lambda *args: 0)
     unsteered = generate(target, drafter, ids, 40, block_size=8, **kw)
     assert unsteered.new_tokens == plain.new_tokens and max(unsteered.acceptance_lengths) < 3
+
+
+def test_jump_forward_spells_the_forced_text_and_leaves_the_matcher_as_it_was(targets):
+    """The text a schema forces (its one key, in compile_constraint's layout) is proposed in the tokenizer's own
+    spelling, cut to the tokens asked for; the matcher is where it was (the grammar still takes that text next), and
+    where the grammar leaves a choice nothing is proposed."""
+    target = targets["qwen3"]
+    tok = target.tokenizer
+
+    def encode(text):
+        return tok.encode(text, add_special_tokens=False)
+
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}}, "required": ["color"]}
+    grammar = RowGrammar(compile_constraint(target, Constraint.json_schema(schema)))
+    forced = grammar.jump_forward(encode, 15)
+    assert forced == encode('{"color": "')
+    assert grammar.jump_forward(encode, 2) == forced[:2]
+    grammar.advance(forced)  # raises if the matcher had moved
+    assert grammar.jump_forward(encode, 15) == []  # "red" or "green": the model's choice, not forced
+    grammar.advance(encode("gr"))
+    assert tok.decode(grammar.jump_forward(encode, 15)) == 'een"}'
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_forced_text_is_verified_without_a_draft_pass(targets, monkeypatch, temperature):
+    """Jump-forward: with the draft pass priced out (so the policy skips the drafter), the text the grammar forces
+    is still verified many tokens a step, proposed for free; the answer is plain decoding's, greedy and seeded.
+    Switched off, the same answer takes a step per token between the drafter's probes."""
+    target = targets["qwen3"]
+    ids = target.encode_prompt([{"role": "user", "content": PROMPT}])
+    forced = Constraint.choice(["~|" * 30])
+    drafter = DFlashDraftModel.for_target(
+        target.model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1
+    )
+    kw = dict(temperature=temperature, seed=5, response_format=forced)
+    plain = generate_ar(target, ids, 80, **kw)
+    dear = CostModel(lengths=[1, 8], verify_base=[1.0, 1.0], verify_slope=[0.0, 0.0], draft_base=100.0)
+    on = generate(target, drafter, ids, 80, block_size="auto", costs=dear, **kw)
+    assert on.new_tokens == plain.new_tokens
+    assert on.proposer_stats["steps_by_source"]["grammar"] >= 3
+    monkeypatch.setattr(RowGrammar, "jump_forward", lambda *args: [])
+    off = generate(target, drafter, ids, 80, block_size="auto", costs=dear, **kw)
+    assert off.new_tokens == plain.new_tokens
+    assert off.proposer_stats["steps_by_source"]["grammar"] == 0
+    assert on.num_steps < off.num_steps, (on.acceptance_lengths, off.acceptance_lengths)
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "regex", "ebnf"])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_dflash2_drafter_under_a_constraint_decodes_as_plain_decoding(targets, kind, temperature):
+    """DFlash2 (block-local convolutions, the candidate selector choosing the drafts, so they are not steered):
+    masked at the verify like any proposal, the same tokens as plain constrained decoding, alone and batched."""
+    from test_dflash2 import dflash2_drafter
+
+    target = targets["llama"]
+    drafter = dflash2_drafter(target.model, seed=2, block_size=6)
+    prompts = [target.encode_prompt([{"role": "user", "content": f"{PROMPT} {i}"}]) for i in range(3)]
+    rf = CONSTRAINTS[kind]
+    kw = dict(temperature=temperature, response_format=rf)
+    alone = [generate_ar(target, p, 30, seed=20 + i, **kw).new_tokens for i, p in enumerate(prompts)]
+    spec = generate(target, drafter, prompts[0], 30, seed=20, **kw)
+    assert spec.new_tokens == alone[0]
+    batch = generate_batch(target, drafter, prompts, 30, seed=[20, 21, 22], max_batch_size=2, **kw)
+    assert [r.new_tokens for r in batch] == alone
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_lookup_proposals_under_a_constraint_decode_as_plain_decoding(targets, monkeypatch, temperature):
+    """Prompt lookup's proposals (the drafter priced out, jump-forward off: lookup alone between the drafter's
+    probes) on text a grammar constrains: verified under the mask, plain decoding's tokens."""
+    target = targets["qwen3"]
+    ids = target.encode_prompt([{"role": "user", "content": PROMPT}])
+    drafter = DFlashDraftModel.for_target(
+        target.model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1
+    )
+    kw = dict(temperature=temperature, seed=9, response_format=Constraint.choice(["~|" * 12]))
+    plain = generate_ar(target, ids, 40, **kw)
+    monkeypatch.setattr(RowGrammar, "jump_forward", lambda *args: [])
+    dear = CostModel(lengths=[1, 8], verify_base=[1.0, 1.0], verify_slope=[0.0, 0.0], draft_base=100.0)
+    spec = generate(target, drafter, ids, 40, block_size="auto", costs=dear, **kw)
+    assert spec.new_tokens == plain.new_tokens
+    assert spec.proposer_stats["steps_by_source"]["lookup"] >= 1
 
 
 def test_free_rows_are_untouched_and_free_answers_break_the_constraint(targets):
@@ -315,6 +398,41 @@ def test_constrained_sampling_draws_the_constrained_law():
     assert accepted > n // 4  # the accepted path (and the bonus token after it) was exercised
 
 
+@pytest.mark.parametrize("draft_sampling", ["match", "pq"])
+def test_batched_rows_with_mixed_grammars_draw_the_constrained_law(draft_sampling):
+    """Rows of one batch under different grammars and none, a DFlash drafter drafting for all of them, seeded: the
+    rows under the law's regex draw the masked distribution (χ²), with greedy drafts matched against the seed's draw
+    and with drafts sampled from the drafter and verified by speculative sampling (pq). A row masked by another
+    row's grammar, or a draft's successor drawn unmasked, fails it."""
+    from test_sampling import assert_same_law
+
+    model = tiny_model("llama", seed=3, vocab=V, layers=4, initializer_range=0.5)
+    target = Target(model, letter_tokenizer())
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    joint = constrained_joint(model, params)
+    drafter = DFlashDraftModel.for_target(
+        model.config, num_layers=1, block_size=4, mask_token_id=V - 1, seed=1
+    )
+    n = 1600
+    law, other = Constraint("regex", LAW_REGEX), Constraint("regex", "[a-e]e[a-e]")
+    formats = [law, other, law, None] * (n // 2)  # n rows under the law's regex
+    results = generate_batch(
+        target, drafter, [LAW_PROMPT] * len(formats), 3, temperature=0.8, top_p=0.95,
+        seed=list(range(len(formats))), block_size=4, max_batch_size=8, draft_sampling=draft_sampling,
+        response_format=formats,
+    )  # fmt: skip
+    samples = Counter(tuple(r.new_tokens) for r, f in zip(results, formats, strict=True) if f is law)
+    assert_same_law(samples, joint, n)
+    spelled = [
+        "".join("ab?cde"[t] for t in r.new_tokens)
+        for r, f in zip(results, formats, strict=True)
+        if f is other
+    ]
+    assert all(re.fullmatch("[a-e]e[a-e]", s) for s in spelled), spelled[:5]
+    accepted = sum(a > 1 for r in results for a in r.acceptance_lengths)
+    assert accepted > n // 8  # drafts were accepted (the verify's accepted path and bonus token exercised)
+
+
 # ---------------------------------------------------------------------------------------------- served
 @pytest.fixture(scope="module")
 def servers(targets):
@@ -326,6 +444,29 @@ def servers(targets):
 
 
 MESSAGES = [{"role": "user", "content": "What color is the sky? Answer in JSON."}]
+
+
+def test_served_metrics_give_the_grammar_s_share_of_the_decode_steps(servers):
+    """/metrics carries the decode steps' seconds and the grammar's part of them, which the served bench reads per
+    level: a constrained request's share lies in (0, 1); a free request adds decode time and no grammar time."""
+    import httpx
+
+    from flashdraft.bench.prometheus import grammar_share, parse_prometheus
+
+    client = servers["dflash"]
+    root = str(client.base_url).rstrip("/").removesuffix("/v1")
+
+    def scrape():
+        return parse_prometheus(httpx.get(f"{root}/metrics", timeout=10).text)
+
+    before = scrape()
+    kw = dict(model="tiny", messages=MESSAGES, temperature=0, max_tokens=30)
+    client.chat.completions.create(response_format={"type": "json_object"}, **kw)
+    middle = scrape()
+    share = grammar_share(before, middle)
+    assert share is not None and 0 < share < 1, share
+    client.chat.completions.create(**kw)
+    assert grammar_share(middle, scrape()) == 0.0
 
 
 def test_served_parse_json_object_and_guided_fields_equal_plain_server(servers):

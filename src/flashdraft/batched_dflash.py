@@ -5,6 +5,7 @@ costs.py), corrected online by the step times observed."""
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,8 @@ MAX_SKIP_STEPS = 32
 LAZY_HEAD_PRICE = 2.0
 # Draft trees: candidates kept per block slot (the drafter's own draft and the slot's next most likely tokens).
 TREE_WIDTH = 4
+# Jump-forward (constrained rows): at most this many tokens of the text the grammar forces, proposed for free.
+JUMP_FORWARD_MAX_TOKENS = 15
 
 
 class _Calibration:
@@ -51,6 +54,8 @@ class _Calibration:
         self.lookup = AcceptanceTable(
             [0.5 * 0.9**slot for _ in range(LOOKUP_MAX_NGRAM) for slot in range(LOOKUP_MAX_TOKENS)]
         )
+        # Jump-forward: keyed by slot; the forced text is certain, its spelling is not (grammar.RowGrammar.jump_forward).
+        self.grammar = AcceptanceTable([0.8 * 0.9**slot for slot in range(JUMP_FORWARD_MAX_TOKENS)])
 
 
 _CALIBRATIONS: weakref.WeakKeyDictionary[DFlashDraftModel, _Calibration] = weakref.WeakKeyDictionary()
@@ -60,12 +65,13 @@ class BatchedDFlashProposer(BatchProposer):
     """A DFlash drafter drafting every row in one forward, and one verify length shared by the batch: the engine's
     one cost-aware policy, for a request alone (a batch of one) as for many rows.
 
-    `block_size=None` (auto): per step, prompt lookup for each row (free), the drafter (one pass for all rows) or
-    a plain step, and the shared verify length n maximising the batch's expected tokens per second,
+    `block_size=None` (auto): per step, prompt lookup for each row (free), for a constrained row the text its
+    grammar forces next (jump-forward, free; `jump_forward`), the drafter (one pass for all rows) or a plain step, and the shared verify length n maximising the batch's expected tokens per second,
     sum_i E_i(n) / (t_draft(b) + t_verify(b * n)), under the measured cost model. The drafter always drafts its
     full trained block (the non-causal drafter proposes differently with fewer mask slots), and its LM head first
     over the slots a verify could cheaply use, over the others only if they could pay (`_first_slots`); after the
-    pass, each row keeps its draft or its lookup match, whichever is expected to give more. When drafting does not beat plain
+    pass, each row keeps its draft or its free proposal (lookup match or forced text), whichever is expected to give
+    more. When drafting does not beat plain
     steps, it is skipped for 1, 2, 4, .. steps between probes (lookup still fills them), so it comes back as soon as
     the text becomes predictable again. An integer `block_size` drafts and verifies that many tokens (anchor
     included) every step.
@@ -88,6 +94,7 @@ class BatchedDFlashProposer(BatchProposer):
         costs: CostModel | None = None,
         block_size: int | None = None,
         lookup: bool = True,
+        jump_forward: bool = True,
         dtype: torch.dtype | None = None,
         online_costs: bool = True,
         draft_sampling: str = "match",
@@ -109,6 +116,12 @@ class BatchedDFlashProposer(BatchProposer):
         self.costs = costs
         self.fixed = block_size
         self.use_lookup = lookup
+        self.jump_forward = jump_forward and target.tokenizer is not None
+        tokenizer = target.tokenizer
+        # forced texts repeat (a schema's keys, a tool call's head): each spelled once
+        self._spell = functools.lru_cache(maxsize=4096)(
+            lambda text: tuple(tokenizer.encode(text, add_special_tokens=False))
+        )
         self.online_costs = online_costs
         self.tap_layer_ids = single.tap_layer_ids
         self.max_block_size = single.max_block_size
@@ -171,7 +184,7 @@ class BatchedDFlashProposer(BatchProposer):
         self.cache.add_row()  # it holds nothing in the draft cache yet: all padding
         self.absorbed.append(0)
         self.pending.append(features[0])
-        self.counts.append({"dflash": 0, "lookup": 0, "plain": 0})
+        self.counts.append({"dflash": 0, "lookup": 0, "grammar": 0, "plain": 0})
         self._last.append(None)
         self._q.append(None)
         self._trees.append(None)
@@ -340,10 +353,25 @@ class BatchedDFlashProposer(BatchProposer):
         return grow_tree(tokens[index, :depth], self.calibration.draft.p(keys), keys, budget)
 
     # -------------------------------------------------------------- the policy
-    def _lookup(self, row: BatchRow, max_tokens: int) -> tuple[list[int], torch.Tensor]:
-        if not self.use_lookup or max_tokens <= 0:
-            return [], torch.empty(0, dtype=torch.long)
-        return lookup_with_keys(row.history, max_tokens)
+    def _free_proposal(
+        self, row: BatchRow, max_tokens: int
+    ) -> tuple[str, list[int], torch.Tensor, torch.Tensor]:
+        """A row's proposal that costs no draft pass: (source, tokens, keys, acceptance estimates). Its lookup
+        match, or for a constrained row the text its grammar forces next if that is expected to give more."""
+        proposal, keys = [], torch.empty(0, dtype=torch.long)
+        if self.use_lookup and max_tokens > 0:
+            proposal, keys = lookup_with_keys(row.history, max_tokens)
+        source, probs = "lookup", self.calibration.lookup.p(keys)
+        if row.grammar is not None and self.jump_forward and max_tokens > 0:
+            t0 = time.perf_counter()
+            forced = row.grammar.jump_forward(self._spell, min(max_tokens, JUMP_FORWARD_MAX_TOKENS))
+            row.result.grammar_s += time.perf_counter() - t0
+            if forced:
+                forced_keys = torch.arange(len(forced))
+                forced_probs = self.calibration.grammar.p(forced_keys)
+                if expected_tokens(forced_probs)[-1] > expected_tokens(probs)[-1]:
+                    return "grammar", forced, forced_keys, forced_probs
+        return source, proposal, keys, probs
 
     def _batch_rate(
         self, expectations: list[torch.Tensor], propose_s: float, context: int, max_n: int
@@ -388,29 +416,29 @@ class BatchedDFlashProposer(BatchProposer):
         top = max(max_drafts)
         plain = self._padded(torch.ones(1, dtype=torch.long))
         plain_rate = b / float(self.costs.verify_s(b * plain, context) * self._verify_ratios(b, plain))
-        lookups = [self._lookup(row, m) for row, m in zip(rows, max_drafts, strict=True)]
-        lookup_probs = [self.calibration.lookup.p(keys) for _, keys in lookups]
-        lookup_n, lookup_rate = (
-            self._batch_rate(
-                [expected_tokens(p) for p in lookup_probs], 0.0, context, min(top, LOOKUP_MAX_TOKENS)
-            )
-            if any(len(p) for p in lookup_probs)
+        # Free proposals (lookup matches, forced text): the rate of verifying them alone, without a draft pass.
+        free = [self._free_proposal(row, m) for row, m in zip(rows, max_drafts, strict=True)]
+        longest_free = max(len(f[1]) for f in free)
+        free_n, free_rate = (
+            self._batch_rate([expected_tokens(f[3]) for f in free], 0.0, context, min(top, longest_free))
+            if longest_free
             else (0, 0.0)
         )
-        # Draft when its expected rate beats this step's lookup, and always once the skipped steps are over (the
-        # rate that made it skip is stale then: a probe measures it again, or lookup would keep it off forever).
+        # Draft when its expected rate beats this step's free proposals, and always once the skipped steps are over
+        # (the rate that made it skip is stale then: a probe measures it again, or lookup would keep it off
+        # forever).
         probe = self.draft_rate is None or self.draft_rate <= plain_rate
-        draft_now = top > 0 and self.skip_left == 0 and (probe or self.draft_rate >= lookup_rate)
+        draft_now = top > 0 and self.skip_left == 0 and (probe or self.draft_rate >= free_rate)
         self._q = [None] * b
         self._trees = [None] * b
         if not draft_now:
             self.skip_left = max(0, self.skip_left - 1)
-            use_lookup = lookup_n > 0 and lookup_rate > plain_rate
+            use_free = free_n > 0 and free_rate > plain_rate
             out = []
-            for i, ((proposal, keys), m) in enumerate(zip(lookups, max_drafts, strict=True)):
-                k = min(lookup_n, len(proposal), m) if use_lookup else 0
-                self._last[i] = ("lookup", keys[:k]) if k else None
-                self.counts[i]["lookup" if k else "plain"] += 1
+            for i, ((source, proposal, keys, _), m) in enumerate(zip(free, max_drafts, strict=True)):
+                k = min(free_n, len(proposal), m) if use_free else 0
+                self._last[i] = (source, keys[:k]) if k else None
+                self.counts[i][source if k else "plain"] += 1
                 out.append(torch.tensor(proposal[:k], dtype=torch.long))
             return out
 
@@ -429,7 +457,7 @@ class BatchedDFlashProposer(BatchProposer):
             draft_s *= (self.draft_ratio or 1.0) * self._verify_ratio(b)
 
         def choose(tokens: torch.Tensor, confidence: torch.Tensor) -> tuple[list, int, float]:
-            choices = self._choices(rows, max_drafts, tokens, confidence, lookups, lookup_probs)
+            choices = self._choices(rows, max_drafts, tokens, confidence, free)
             longest = max(top, *(len(c[3]) - 1 for c in choices))  # a tree may hold more nodes than its depth
             return choices, *self._batch_rate([c[3] for c in choices], draft_s, context, longest)
 
@@ -472,11 +500,10 @@ class BatchedDFlashProposer(BatchProposer):
         max_drafts: list[int],
         tokens: torch.Tensor,
         confidence: torch.Tensor,
-        lookups: list[tuple[list[int], torch.Tensor]],
-        lookup_probs: list[torch.Tensor],
+        free: list[tuple[str, list[int], torch.Tensor, torch.Tensor]],
     ) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, DraftTree | None]]:
         """Per row: (source, tokens, keys, expected tokens by proposals verified, tree): its draft (a chain, or a
-        tree) or its lookup match, whichever is expected to give more."""
+        tree) or its free proposal (`_free_proposal`), whichever is expected to give more."""
         keys = confidence_keys(confidence, self.calibration.confidence_bins)
         choices = []
         for i, (row, m) in enumerate(zip(rows, max_drafts, strict=True)):
@@ -486,9 +513,9 @@ class BatchedDFlashProposer(BatchProposer):
             else:
                 p_draft = self.calibration.draft.p(keys[i, :m])
                 candidate = ("dflash", tokens[i, :m], keys[i, :m], expected_tokens(p_draft), None)
-            proposal, lkeys = lookups[i]
-            if len(proposal) and (lookup_expected := expected_tokens(lookup_probs[i]))[-1] > candidate[3][-1]:
-                candidate = ("lookup", torch.tensor(proposal, dtype=torch.long), lkeys, lookup_expected, None)
+            source, proposal, fkeys, fprobs = free[i]
+            if len(proposal) and (free_expected := expected_tokens(fprobs))[-1] > candidate[3][-1]:
+                candidate = (source, torch.tensor(proposal, dtype=torch.long), fkeys, free_expected, None)
             choices.append(candidate)
         return choices
 
@@ -544,7 +571,7 @@ class BatchedDFlashProposer(BatchProposer):
                 self.calibration.draft.record(tree.keys[tried], tree.keys[path])
                 self._last[i] = None
                 continue
-            table = self.calibration.draft if source == "dflash" else self.calibration.lookup
+            table = getattr(self.calibration, "draft" if source == "dflash" else source)
             table.update(keys, n, a)
             self._last[i] = None
 

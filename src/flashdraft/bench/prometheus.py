@@ -53,6 +53,23 @@ def _per_position(metrics: dict[str, dict[Any, float]]) -> dict[int, float]:
     return out
 
 
+def grammar_share(before: dict[str, Any] | None, after: dict[str, Any] | None) -> float | None:
+    """The grammar's share of a flashdraft server's decode time over one run (`flashdraft:grammar_seconds` over
+    `flashdraft:decode_seconds`, scraped before and after it); None for servers without them or no decoding."""
+    if not after:
+        return None
+    before = before or {}
+    decode = _counter_sum(after, "flashdraft:decode_seconds") - _counter_sum(
+        before, "flashdraft:decode_seconds"
+    )
+    if decode <= 0:
+        return None
+    grammar = _counter_sum(after, "flashdraft:grammar_seconds") - _counter_sum(
+        before, "flashdraft:grammar_seconds"
+    )
+    return grammar / decode
+
+
 def vllm_spec_stats(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
     """Acceptance over one run from vLLM's spec_decode counters scraped before and after it."""
     if not after:

@@ -342,6 +342,16 @@ def render_server_report(results: dict[str, Any]) -> str:
                 + ", ".join(_fmt(r, ".0%") for r in v["per_position_rate"])
             )
         lines.append("")
+    grammar_levels = [lv for lv in results["levels"] if lv.get("grammar_share") is not None]
+    if (
+        grammar_levels
+    ):  # a flashdraft server: its decode and grammar seconds, scraped before and after each level
+        lines += ["## The grammar's share of the server's decode steps", ""]
+        lines += [
+            f"- {lv['dataset']} @ {lv['concurrency']}: {_fmt(lv['grammar_share'], '.1%')}"
+            for lv in grammar_levels
+        ]
+        lines.append("")
     errors = [(lv, msg) for lv in results["levels"] for msg in lv["error_messages"]]
     if errors or results.get("warmup_error"):
         lines += ["## Errors", ""]

@@ -26,7 +26,7 @@ from .config import (
     validate_common,
 )
 from .metrics import mean_or_none, percentile
-from .prometheus import parse_prometheus, vllm_spec_stats
+from .prometheus import grammar_share, parse_prometheus, vllm_spec_stats
 from .report import write_server_results
 
 
@@ -352,6 +352,7 @@ async def _server_bench_async(cfg: ServerBenchConfig, datasets: list[BenchDatase
                         **summarize_server_level(requests, wall_s),
                     }
                     level["vllm"] = vllm_spec_stats(before, after)
+                    level["grammar_share"] = grammar_share(before, after)
                     levels.append(level)
                     all_requests += [
                         {"concurrency": concurrency, **r.to_dict(cfg.save_outputs)} for r in requests

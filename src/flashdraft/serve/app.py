@@ -116,7 +116,9 @@ def build_app(engine: Engine, model_name: str, allow_local_images: bool = False)
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(
-            metrics.render(engine.waiting, engine.running, dict(engine.steps_by_rows)),
+            metrics.render(
+                engine.waiting, engine.running, dict(engine.steps_by_rows), engine.decode_s, engine.grammar_s
+            ),
             media_type=CONTENT_TYPE_LATEST,
         )
 

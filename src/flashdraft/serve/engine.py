@@ -170,6 +170,8 @@ class Engine:
         self._closing = False
         self._outbox: list[tuple[RequestHandle, str, Any]] = []  # events of this step, not yet delivered
         self.steps_by_rows: Counter[int] = Counter()  # decode steps by the number of rows they advanced
+        self.decode_s = 0.0  # time in decode steps so far
+        self.grammar_s = 0.0  # of which the grammar's (structured output), summed as rows finish
         self._thread: threading.Thread | None = None
         if start:
             self._thread = threading.Thread(target=self.run, name="flashdraft-engine", daemon=True)
@@ -240,6 +242,7 @@ class Engine:
                     return
                 continue
             self.steps_by_rows[len(self.decoder)] += 1
+            t0 = time.perf_counter()
             try:
                 finished = self.decoder.step()
             except Exception as e:  # noqa: BLE001 - a failed step must not take the server down
@@ -248,7 +251,9 @@ class Engine:
                     row.tag.push("error", f"{type(e).__name__}: {e}")
                     self.decoder.cancel(row, "error")
                 continue
+            self.decode_s += time.perf_counter() - t0
             for row in finished:
+                self.grammar_s += row.result.grammar_s
                 self._finish(row)
 
     def _deliver(self) -> None:

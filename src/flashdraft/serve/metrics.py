@@ -42,6 +42,17 @@ class ServerMetrics:
             ["model_name", "rows"],
             registry=r,
         )
+        self.decode_s = Gauge(
+            "flashdraft:decode_seconds", "Time in decode steps so far (propose, verify, accept)", labels,
+            registry=r,
+        )  # fmt: skip
+        self.grammar_s = Gauge(
+            "flashdraft:grammar_seconds",
+            "Of the decode steps' time, the grammar's (structured output: masks, steered drafts, jump-forward), "
+            "counted when requests finish",
+            labels,
+            registry=r,
+        )
         self.spec: dict[str, list[Counter]] = {}
         for name, doc in (
             ("num_drafts", "Speculative steps that verified drafts"),
@@ -85,9 +96,18 @@ class ServerMetrics:
                 for counter in self.per_pos:
                     counter.labels(m, str(pos)).inc(count)
 
-    def render(self, waiting: int, running: int, steps_by_rows: dict[int, int] | None = None) -> bytes:
+    def render(
+        self,
+        waiting: int,
+        running: int,
+        steps_by_rows: dict[int, int] | None = None,
+        decode_s: float = 0.0,
+        grammar_s: float = 0.0,
+    ) -> bytes:
         self.waiting.labels(self.model_name).set(waiting)
         self.running.labels(self.model_name).set(running)
+        self.decode_s.labels(self.model_name).set(decode_s)
+        self.grammar_s.labels(self.model_name).set(grammar_s)
         for rows, steps in sorted((steps_by_rows or {}).items()):
             self.steps_by_rows.labels(self.model_name, str(rows)).set(steps)
         return generate_latest(self.registry)
