@@ -116,6 +116,17 @@ def test_constrained_speculation_equals_plain_constrained_decoding(targets, arch
         assert sum(r > 1 for r in spec.acceptance_lengths) > 0
 
 
+def forced_text(targets, repeats: int):
+    """(target, prompt ids, the constraint, an untrained block-8 drafter) for text the grammar forces token by token:
+    `"~|" * repeats`, characters the tokenizer never merged (one spelling)."""
+    target = targets["qwen3"]
+    drafter = DFlashDraftModel.for_target(
+        target.model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1
+    )
+    ids = target.encode_prompt([{"role": "user", "content": PROMPT}])
+    return target, ids, Constraint.choice(["~|" * repeats]), drafter
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_the_grammar_steers_the_drafts_so_forced_text_is_accepted_whole(targets, monkeypatch, temperature):
     """Text the grammar forces token by token (characters the tokenizer never merged: one spelling) is drafted as
@@ -123,12 +134,7 @@ def test_the_grammar_steers_the_drafts_so_forced_text_is_accepted_whole(targets,
     still plain decoding's. Without the steering an untrained drafter gets none of it."""
     import flashdraft.batched_dflash
 
-    target = targets["qwen3"]
-    ids = target.encode_prompt([{"role": "user", "content": PROMPT}])
-    forced = Constraint.choice(["~|" * 12])
-    drafter = DFlashDraftModel.for_target(
-        target.model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1
-    )
+    target, ids, forced, drafter = forced_text(targets, 12)
     kw = dict(temperature=temperature, seed=3, response_format=forced)
     plain = generate_ar(target, ids, 40, **kw)
     assert target.tokenizer.decode(plain.new_tokens, skip_special_tokens=True) == "~|" * 12
@@ -174,12 +180,7 @@ def test_forced_text_is_verified_without_a_draft_pass(targets, monkeypatch, temp
     """Jump-forward: with the draft pass priced out (so the policy skips the drafter), the text the grammar forces
     is still verified many tokens a step, proposed for free; the answer is plain decoding's, greedy and seeded.
     Switched off, the same answer takes a step per token between the drafter's probes."""
-    target = targets["qwen3"]
-    ids = target.encode_prompt([{"role": "user", "content": PROMPT}])
-    forced = Constraint.choice(["~|" * 30])
-    drafter = DFlashDraftModel.for_target(
-        target.model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1
-    )
+    target, ids, forced, drafter = forced_text(targets, 30)
     kw = dict(temperature=temperature, seed=5, response_format=forced)
     plain = generate_ar(target, ids, 80, **kw)
     dear = CostModel(lengths=[1, 8], verify_base=[1.0, 1.0], verify_slope=[0.0, 0.0], draft_base=100.0)
@@ -216,12 +217,8 @@ def test_a_dflash2_drafter_under_a_constraint_decodes_as_plain_decoding(targets,
 def test_lookup_proposals_under_a_constraint_decode_as_plain_decoding(targets, monkeypatch, temperature):
     """Prompt lookup's proposals (the drafter priced out, jump-forward off: lookup alone between the drafter's
     probes) on text a grammar constrains: verified under the mask, plain decoding's tokens."""
-    target = targets["qwen3"]
-    ids = target.encode_prompt([{"role": "user", "content": PROMPT}])
-    drafter = DFlashDraftModel.for_target(
-        target.model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1
-    )
-    kw = dict(temperature=temperature, seed=9, response_format=Constraint.choice(["~|" * 12]))
+    target, ids, forced, drafter = forced_text(targets, 12)
+    kw = dict(temperature=temperature, seed=9, response_format=forced)
     plain = generate_ar(target, ids, 40, **kw)
     monkeypatch.setattr(RowGrammar, "jump_forward", lambda *args: [])
     dear = CostModel(lengths=[1, 8], verify_base=[1.0, 1.0], verify_slope=[0.0, 0.0], draft_base=100.0)

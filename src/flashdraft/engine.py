@@ -483,7 +483,9 @@ class BatchDecoder:
         out = self.forward_block(block, positions, tree_mask)
         t_grammar = time.perf_counter()
         dead = self._constrain(rows, block, out)
-        t_grammar = time.perf_counter() - t_grammar
+        # the batch's masking time, shared out among its constrained rows (a row's grammar_s is its part: the
+        # server sums them)
+        t_grammar = (time.perf_counter() - t_grammar) / max(1, sum(r.grammar is not None for r in rows))
 
         kept = torch.zeros(len(rows), n, dtype=torch.bool)
         finished, features, own_accepted, kept_counts = [], [], [], []

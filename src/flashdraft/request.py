@@ -30,7 +30,8 @@ class GenerationResult:
     )  # drafts accepted per step (before stop/length cuts)
     prefill_s: float = 0.0  # prefill + first token
     decode_s: float = 0.0  # every verify step after that
-    grammar_s: float = 0.0  # structured output: masks, matcher walks, steered drafts (part of decode_s)
+    # structured output: masks (its share of a batch's), matcher walks, steered drafts, jump-forward (in decode_s)
+    grammar_s: float = 0.0
     stop_reason: str = "max_new_tokens"
     proposer_stats: dict[str, Any] = field(
         default_factory=dict
