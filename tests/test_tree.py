@@ -18,6 +18,7 @@ from flashdraft.kv_cache import static_mask
 from flashdraft.proposers import BatchProposer
 from flashdraft.tree import (
     accepted_path,
+    add_branch,
     ancestor_mask,
     block_parents,
     check_tree,
@@ -133,6 +134,34 @@ def test_grow_tree_is_best_first_and_closed_under_ancestors():
     chain = grow_tree(candidates[:, :1], p[:, :1], keys[:, :1], budget=6)
     assert chain.is_chain and chain.tokens.tolist() == [10, 20, 30]
     assert grow_tree(candidates, p, keys, budget=2).first(1).tokens.tolist() == [10]
+
+
+def test_a_lookup_branch_joins_the_tree_sharing_the_nodes_it_agrees_with():
+    """A chain grafted on below the anchor (prompt lookup's match): it shares the nodes it follows (a shared node keeps
+    the higher score), the rest hangs below as new nodes with their own keys; best-first, closed under ancestors, cut
+    to the budget."""
+    candidates = torch.tensor([[10, 11, 12], [20, 21, 22], [30, 31, 32]])
+    p = torch.tensor([[0.9, 0.5, 0.1], [0.8, 0.3, 0.2], [0.6, 0.4, 0.1]])
+    tree = grow_tree(candidates, p, torch.arange(9).view(3, 3), budget=6)  # [10, 20, 11, 30, 20, 31] as above
+    branch = add_branch(tree, [10, 21, 40], torch.tensor([0.95, 0.9, 0.9]), torch.tensor([100, 101, 102]), 8)
+    assert branch.tokens.tolist() == [10, 21, 40, 20, 11, 30, 20, 31]
+    assert branch.parents == [-1, 0, 1, 0, -1, 3, 4, 3]
+    assert branch.keys.tolist() == [0, 101, 102, 3, 1, 6, 3, 7]
+    assert torch.allclose(branch.scores, torch.tensor([0.95, 0.855, 0.7695, 0.72, 0.5, 0.432, 0.4, 0.288]))
+    cut = add_branch(tree, [10, 21, 40], torch.tensor([0.95, 0.9, 0.9]), torch.tensor([100, 101, 102]), 4)
+    assert cut.tokens.tolist() == [10, 21, 40, 20] and cut.parents == [-1, 0, 1, 0]
+    # a branch the tree already holds adds no node; its scores can lift a path to the front
+    same = add_branch(tree, [11, 20], torch.tensor([1.0, 1.0]), torch.tensor([100, 101]), 8)
+
+    def edges(t):  # (token, its parent's token) for every node
+        tokens = t.tokens.tolist()
+        return sorted((tokens[j], tokens[q] if q >= 0 else -1) for j, q in enumerate(t.parents))
+
+    assert edges(same) == edges(tree)
+    assert same.tokens.tolist()[:2] == [11, 20] and same.parents[:2] == [-1, 0]
+    for t in (branch, cut, same):
+        assert all(parent < j for j, parent in enumerate(t.parents))
+        assert t.scores.tolist() == sorted(t.scores.tolist(), reverse=True)
 
 
 def test_block_layout_mask_and_walk():
@@ -288,6 +317,40 @@ def test_dflash_trees_decode_as_plain(arch, mode):
         )
         assert long.new_tokens == generate_ar(target, prompts[0], 80, stop_token_ids=[]).new_tokens
         assert tree_window(target) == 64
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_lookup_branches_in_trees_decode_as_plain(monkeypatch, temperature):
+    """Prompts that repeat themselves, so prompt lookup matches: its continuation joins the drafter's trees as a
+    branch; single and batched (rows joining and leaving), greedy and seeded, the output is plain decoding's."""
+    import flashdraft.batched_dflash as batched
+
+    grafted = []
+
+    def counting(tree, tokens, *args):
+        grafted.append(len(tokens))
+        return add_branch(tree, tokens, *args)
+
+    monkeypatch.setattr(batched, "add_branch", counting)
+    target = tree_target("qwen3", seed=4)
+    draft = drafter(target.config)
+    rng = random.Random(3)
+    prompts = []
+    for _ in range(4):
+        piece = [rng.randrange(3, VOCAB) for _ in range(6)]
+        prompts.append(piece * 3 + piece[:3])  # its last 3-gram seen before: lookup proposes what followed
+    costs = CostModel(lengths=[1, 16], verify_base=[1.0, 1.0], verify_slope=[0.0, 0.0], draft_base=1e-3)
+    kw = dict(stop_token_ids=[], temperature=temperature, block_size="auto", costs=costs, tree=8)
+    one = generate(target, draft, prompts[0], 24, seed=1, **kw)
+    assert (
+        one.new_tokens
+        == generate_ar(target, prompts[0], 24, stop_token_ids=[], temperature=temperature, seed=1).new_tokens
+    )
+    got = generate_batch(target, draft, prompts, 24, seed=[1, 2, 3, 4], max_batch_size=3, **kw)
+    for g, p, seed in zip(got, prompts, [1, 2, 3, 4], strict=True):
+        plain = generate_ar(target, p, 24, stop_token_ids=[], temperature=temperature, seed=seed)
+        assert g.new_tokens == plain.new_tokens
+    assert sum(n > 0 for n in grafted) >= 4  # lookup branches were grafted
 
 
 def test_dflash2_trees_decode_as_plain():

@@ -18,12 +18,12 @@ from .grammar import steer_drafts
 from .kv_cache import CAPACITY_STEP, uses_static_cache
 from .lookup import LOOKUP_MAX_NGRAM, LOOKUP_MAX_TOKENS, lookup_with_keys
 from .model import PAD_POSITION, DFlashDraftModel, DraftContextCache
-from .policy import AcceptanceTable, confidence_keys, confidence_table, expected_tokens
+from .policy import AcceptanceTable, confidence_keys, confidence_prior, expected_tokens
 from .proposers import BatchProposer, DFlashProposer, Paths
 from .request import GenerationError
 from .sampling import DRAFT_STREAM, position_uniforms
 from .target import Target
-from .tree import DraftTree, grow_tree, slot_candidates, tree_refusal, tree_window
+from .tree import DraftTree, add_branch, grow_tree, slot_candidates, tree_refusal, tree_window
 
 if TYPE_CHECKING:
     from .engine import BatchRow
@@ -46,14 +46,16 @@ class _Calibration:
 
     def __init__(self) -> None:
         self.confidence_bins = 20
+        # Lookup: keyed by (matched n-gram size, slot); prior 0.5 for the first slot, lower further out.
+        lookup_prior = [0.5 * 0.9**slot for _ in range(LOOKUP_MAX_NGRAM) for slot in range(LOOKUP_MAX_TOKENS)]
+        self.lookup = AcceptanceTable(lookup_prior)
         # Keyed by confidence bin: keys 0..bins-1 the drafter's own drafts, bins..2*bins-1 the other candidates of a
         # draft tree's slots (a token the drafter ranked lower is accepted at another rate than its top one with the
-        # same probability); both start calibrated (p = confidence).
-        self.draft = confidence_table(self.confidence_bins, groups=2)
-        # Lookup: keyed by (matched n-gram size, slot); prior 0.5 for the first slot, lower further out.
-        self.lookup = AcceptanceTable(
-            [0.5 * 0.9**slot for _ in range(LOOKUP_MAX_NGRAM) for slot in range(LOOKUP_MAX_TOKENS)]
-        )
+        # same probability); both start calibrated (p = confidence). Then a draft tree's nodes from prompt lookup
+        # (`tree.add_branch`), keyed as the lookup table is, from `tree_lookup_key` on.
+        drafts = confidence_prior(self.confidence_bins, groups=2)
+        self.tree_lookup_key = len(drafts)
+        self.draft = AcceptanceTable(drafts + lookup_prior)
         # Jump-forward: keyed by slot; the forced text is certain, its spelling is not (grammar.RowGrammar.jump_forward).
         self.grammar = AcceptanceTable([0.8 * 0.9**slot for slot in range(JUMP_FORWARD_MAX_TOKENS)])
 
@@ -77,7 +79,7 @@ class BatchedDFlashProposer(BatchProposer):
     included) every step.
 
     `tree=N`: rows draft trees of at most N nodes instead of chains (tree.py), built best-first from each slot's few
-    most likely tokens with the calibrated acceptance estimates; the policy's E(n) is then the expected tokens of the
+    most likely tokens with the calibrated acceptance estimates, a row's lookup match joining as one more branch; the policy's E(n) is then the expected tokens of the
     tree of the n best nodes, so one choice of n picks the tree, a chain (the tree when the drafter is sure) or a
     plain step. Rows a tree cannot serve exactly verify chains: a target with recurrent layers or of a family trees
     are not verified on (the whole batch), a sliding-window one past its window, rows with a grammar, rows whose
@@ -509,6 +511,11 @@ class BatchedDFlashProposer(BatchProposer):
         for i, (row, m) in enumerate(zip(rows, max_drafts, strict=True)):
             tree = self._tree_for(i, row, m, self.tree or 0)
             if tree is not None:
+                source, proposal, lookup_keys, _ = free[i]
+                if source == "lookup" and proposal:  # the lookup match joins the tree as a branch
+                    tree_keys = lookup_keys + self.calibration.tree_lookup_key
+                    p = self.calibration.draft.p(tree_keys)
+                    tree = add_branch(tree, proposal, p, tree_keys, self.tree)
                 candidate = ("dflash", tree.tokens, tree.keys, tree.expected_tokens(), tree)
             else:
                 p_draft = self.calibration.draft.p(keys[i, :m])

@@ -40,10 +40,10 @@ class AcceptanceTable:
         self.record(keys[: min(num_verified, num_accepted + 1)], keys[: min(num_verified, num_accepted)])
 
 
-def confidence_table(bins: int = 20, groups: int = 1) -> AcceptanceTable:
-    """Drafter table keyed by confidence bin (`groups` ranges of `bins` keys, each its own); the prior assumes the
-    drafter is calibrated (p = confidence)."""
-    return AcceptanceTable([(i + 0.5) / bins for i in range(bins)] * groups)
+def confidence_prior(bins: int = 20, groups: int = 1) -> list[float]:
+    """The prior of a drafter table keyed by confidence bin (`groups` ranges of `bins` keys, each its own): the
+    drafter calibrated (p = confidence)."""
+    return [(i + 0.5) / bins for i in range(bins)] * groups
 
 
 def confidence_keys(confidence: torch.Tensor, bins: int) -> torch.Tensor:

@@ -9,6 +9,8 @@ A tree keeps a few candidates per slot and grows best-first under a node budget:
                  (scores fall along a path, so the n best are closed under ancestors), and since every node counts
                  once, E(n) = 1 + the sum of their scores is the expected number of tokens a verify of them emits
                  (the chain is the tree with one candidate per slot)
+    branches     prompt lookup's continuation joins the tree as one more path from the anchor (`add_branch`),
+                 sharing the nodes it agrees with, before the n best are taken
 
 The engine lays the tree out after the anchor in its block, parents before children: node j (block column 1 + j)
 has parent `parents[j]` (-1: the anchor), sits at position anchor + depth, and attends to the cached context and to
@@ -115,6 +117,42 @@ def grow_tree(candidates: torch.Tensor, p: torch.Tensor, keys: torch.Tensor, bud
         parents=[n[0] for n in nodes],
         keys=keys[slots, cands],
         scores=torch.tensor([n[3] for n in nodes]),
+    )
+
+
+def add_branch(
+    tree: DraftTree, tokens: list[int], p: torch.Tensor, keys: torch.Tensor, budget: int
+) -> DraftTree:
+    """The tree with a chain from another source (prompt lookup's continuation) grafted on below the anchor, cut
+    to its best `budget` nodes. Where the chain follows the tree's nodes it shares them, and a shared node keeps the
+    higher of its two scores; the rest of the chain hangs below as new nodes scored by the chain's running product
+    of `p`, with calibration keys `keys`. Scores never rise along a path and parents come before children, so the
+    nodes sorted best-first (ties in order) stay closed under ancestors, as `grow_tree`'s are."""
+    parents, toks = list(tree.parents), tree.tokens.tolist()
+    node_keys, scores = tree.keys.tolist(), tree.scores.tolist()
+    child_of = {(parent, token): j for j, (parent, token) in enumerate(zip(parents, toks, strict=True))}
+    node, score = -1, 1.0
+    for token, q, key in zip(tokens, p.tolist(), keys.tolist(), strict=True):
+        score *= q
+        if score <= 0.0:
+            break
+        child = child_of.get((node, token))
+        if child is None:
+            child = child_of[(node, token)] = len(parents)
+            parents.append(node)
+            toks.append(token)
+            node_keys.append(key)
+            scores.append(score)
+        else:
+            scores[child] = max(scores[child], score)
+        node = child
+    order = sorted(range(len(parents)), key=lambda j: -scores[j])[:budget]
+    index = {old: new for new, old in enumerate(order)}
+    return DraftTree(
+        tokens=torch.tensor([toks[j] for j in order], dtype=torch.long),
+        parents=[-1 if parents[j] < 0 else index[parents[j]] for j in order],
+        keys=torch.tensor([node_keys[j] for j in order], dtype=torch.long),
+        scores=torch.tensor([scores[j] for j in order]),
     )
 
 
@@ -237,6 +275,7 @@ __all__ = [
     "check_tree",
     "DraftTree",
     "accepted_path",
+    "add_branch",
     "ancestor_mask",
     "block_layout",
     "block_parents",
