@@ -56,7 +56,7 @@ class _Calibration:
         drafts = confidence_prior(self.confidence_bins, groups=2)
         self.tree_lookup_key = len(drafts)
         self.draft = AcceptanceTable(drafts + lookup_prior)
-        # Jump-forward: keyed by slot; the forced text is certain, its spelling is not (grammar.RowGrammar.jump_forward).
+        # Jump-forward, keyed by slot: the forced text is certain, its spelling is not (RowGrammar.jump_forward).
         self.grammar = AcceptanceTable([0.8 * 0.9**slot for slot in range(JUMP_FORWARD_MAX_TOKENS)])
 
 
@@ -68,22 +68,22 @@ class BatchedDFlashProposer(BatchProposer):
     one cost-aware policy, for a request alone (a batch of one) as for many rows.
 
     `block_size=None` (auto): per step, prompt lookup for each row (free), for a constrained row the text its
-    grammar forces next (jump-forward, free; `jump_forward`), the drafter (one pass for all rows) or a plain step, and the shared verify length n maximising the batch's expected tokens per second,
+    grammar forces next (jump-forward, free; `jump_forward`), the drafter (one pass for all rows) or a plain step,
+    and the shared verify length n maximising the batch's expected tokens per second,
     sum_i E_i(n) / (t_draft(b) + t_verify(b * n)), under the measured cost model. The drafter always drafts its
     full trained block (the non-causal drafter proposes differently with fewer mask slots), and its LM head first
     over the slots a verify could cheaply use, over the others only if they could pay (`_first_slots`); after the
     pass, each row keeps its draft or its free proposal (lookup match or forced text), whichever is expected to give
-    more. When drafting does not beat plain
-    steps, it is skipped for 1, 2, 4, .. steps between probes (lookup still fills them), so it comes back as soon as
-    the text becomes predictable again. An integer `block_size` drafts and verifies that many tokens (anchor
-    included) every step.
+    more. When drafting does not beat plain steps, it is skipped for 1, 2, 4, .. steps between probes (the free
+    proposals still fill them), so it comes back as soon as the text becomes predictable again. An integer
+    `block_size` drafts and verifies that many tokens (anchor included) every step.
 
     `tree=N`: rows draft trees of at most N nodes instead of chains (tree.py), built best-first from each slot's few
-    most likely tokens with the calibrated acceptance estimates, a row's lookup match joining as one more branch; the policy's E(n) is then the expected tokens of the
-    tree of the n best nodes, so one choice of n picks the tree, a chain (the tree when the drafter is sure) or a
-    plain step. Rows a tree cannot serve exactly verify chains: a target with recurrent layers or of a family trees
-    are not verified on (the whole batch), a sliding-window one past its window, rows with a grammar, rows whose
-    drafts are sampled (p/q).
+    most likely tokens with the calibrated acceptance estimates, a row's lookup match joining as one more branch;
+    the policy's E(n) is then the expected tokens of the tree of the n best nodes, so one choice of n picks the
+    tree, a chain (the tree when the drafter is sure) or a plain step. Rows a tree cannot serve exactly verify
+    chains: a target with recurrent layers or of a family trees are not verified on (the whole batch), a
+    sliding-window one past its window, rows with a grammar, rows whose drafts are sampled (p/q).
 
     The drafter's context cache is batched too: rows are padded to a common length with PAD_POSITION, which the
     drafter's mask rule (context before the anchor) never shows to a block.
