@@ -213,6 +213,28 @@ def test_draft_logits_and_block_inputs_follow_the_drafter_keys(models, arch):
     torch.testing.assert_close(proposer.block_inputs(ids), rows * 2.0)
 
 
+def test_a_drafter_cast_to_the_proposer_s_precision_is_copied_once(models):
+    """A drafter run in another precision than its own is copied once per dtype, so what is compiled for the copy
+    (its block pass: seconds on a CPU) is not compiled again at every generate(); copied again once its weights
+    change, and without what was cached on the drafter for its own precision (its compiled block passes)."""
+    from flashdraft.proposers import DFlashProposer
+
+    target = Target(models["llama"])
+    draft = DFlashDraftModel.for_target(
+        target.model.config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1
+    )
+    draft = draft.to(torch.bfloat16).eval()
+    draft.__dict__["_flashdraft_block_passes"] = {"options": "a graph frozen with the bf16 weights"}
+    first = DFlashProposer(draft, target, dtype=torch.float32).draft
+    assert first is not draft and first.fc.weight.dtype == torch.float32
+    assert DFlashProposer(draft, target, dtype=torch.float32).draft is first
+    assert "_flashdraft_block_passes" not in first.__dict__ and "_flashdraft_block_passes" in draft.__dict__
+    with torch.no_grad():
+        draft.fc.weight.mul_(2)
+    again = DFlashProposer(draft, target, dtype=torch.float32).draft
+    assert again is not first and torch.equal(again.fc.weight, draft.fc.weight.float())
+
+
 @pytest.mark.parametrize(
     "rope",
     [

@@ -26,6 +26,7 @@ verify length for the batch (one row or many: the cost-aware policy); `PerRowPro
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +75,30 @@ class NoProposer(Proposer):
         return torch.empty(0, dtype=torch.long)
 
 
+_CASTS: weakref.WeakKeyDictionary[DFlashDraftModel, dict[torch.dtype, tuple[int, DFlashDraftModel]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def cast_drafter(draft: DFlashDraftModel, dtype: torch.dtype) -> DFlashDraftModel:
+    """The drafter in `dtype`: one copy per drafter and dtype, kept while the drafter lives and made again when its
+    weights change (their version counters), so what is compiled for the copy (its block pass: seconds on a CPU) is
+    compiled once, not at every `generate()`. The copy leaves behind what was cached on the drafter for its own
+    precision (its compiled block passes)."""
+    version = sum(p._version for p in draft.parameters())
+    copies = _CASTS.setdefault(draft, {})
+    hit = copies.get(dtype)
+    if hit is not None and hit[0] == version:
+        return hit[1]
+    cached = {k: draft.__dict__.pop(k) for k in list(draft.__dict__) if k.startswith("_flashdraft_")}
+    try:
+        cast = copy.deepcopy(draft).to(dtype)
+    finally:
+        draft.__dict__.update(cached)
+    copies[dtype] = (version, cast)
+    return cast
+
+
 class DFlashProposer(Proposer):
     """A DFlash drafter: one non-causal forward over [anchor, MASK x n] proposes n tokens at once."""
 
@@ -93,7 +118,7 @@ class DFlashProposer(Proposer):
         self.head_weight = None if packed else head.weight
         self.head_bias = None if packed else getattr(head, "bias", None)  # a packed head adds its own
         if dtype is not None and dtype != draft.fc.weight.dtype:
-            draft = copy.deepcopy(draft).to(dtype)
+            draft = cast_drafter(draft, dtype)
         if not packed and dtype is not None and dtype != self.head_weight.dtype:
             self.head_weight = self.head_weight.to(dtype)
             self.head_bias = None if self.head_bias is None else self.head_bias.to(dtype)
