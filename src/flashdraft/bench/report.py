@@ -343,9 +343,8 @@ def render_server_report(results: dict[str, Any]) -> str:
             )
         lines.append("")
     grammar_levels = [lv for lv in results["levels"] if lv.get("grammar_share") is not None]
-    if (
-        grammar_levels
-    ):  # a flashdraft server: its decode and grammar seconds, scraped before and after each level
+    # a flashdraft server: its decode and grammar seconds, scraped before and after each level
+    if grammar_levels:
         lines += ["## The grammar's share of the server's decode steps", ""]
         lines += [
             f"- {lv['dataset']} @ {lv['concurrency']}: {_fmt(lv['grammar_share'], '.1%')}"
