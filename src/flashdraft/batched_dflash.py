@@ -358,22 +358,23 @@ class BatchedDFlashProposer(BatchProposer):
     def _free_proposal(
         self, row: BatchRow, max_tokens: int
     ) -> tuple[str, list[int], torch.Tensor, torch.Tensor]:
-        """A row's proposal that costs no draft pass: (source, tokens, keys, acceptance estimates). Its lookup
-        match, or for a constrained row the text its grammar forces next if that is expected to give more."""
+        """A row's proposal that costs no draft pass: (source, tokens, keys, expected tokens by proposals verified).
+        Its lookup match, or for a constrained row the text its grammar forces next if that is expected to give
+        more."""
         proposal, keys = [], torch.empty(0, dtype=torch.long)
         if self.use_lookup and max_tokens > 0:
             proposal, keys = lookup_with_keys(row.history, max_tokens)
-        source, probs = "lookup", self.calibration.lookup.p(keys)
+        expected = expected_tokens(self.calibration.lookup.p(keys))
         if row.grammar is not None and self.jump_forward and max_tokens > 0:
             t0 = time.perf_counter()
             forced = row.grammar.jump_forward(self._spell, min(max_tokens, JUMP_FORWARD_MAX_TOKENS))
             row.result.grammar_s += time.perf_counter() - t0
             if forced:
                 forced_keys = torch.arange(len(forced))
-                forced_probs = self.calibration.grammar.p(forced_keys)
-                if expected_tokens(forced_probs)[-1] > expected_tokens(probs)[-1]:
-                    return "grammar", forced, forced_keys, forced_probs
-        return source, proposal, keys, probs
+                forced_expected = expected_tokens(self.calibration.grammar.p(forced_keys))
+                if forced_expected[-1] > expected[-1]:
+                    return "grammar", forced, forced_keys, forced_expected
+        return "lookup", proposal, keys, expected
 
     def _batch_rate(
         self, expectations: list[torch.Tensor], propose_s: float, context: int, max_n: int
@@ -422,7 +423,7 @@ class BatchedDFlashProposer(BatchProposer):
         free = [self._free_proposal(row, m) for row, m in zip(rows, max_drafts, strict=True)]
         longest_free = max(len(f[1]) for f in free)
         free_n, free_rate = (
-            self._batch_rate([expected_tokens(f[3]) for f in free], 0.0, context, min(top, longest_free))
+            self._batch_rate([f[3] for f in free], 0.0, context, min(top, longest_free))
             if longest_free
             else (0, 0.0)
         )
@@ -520,8 +521,8 @@ class BatchedDFlashProposer(BatchProposer):
             else:
                 p_draft = self.calibration.draft.p(keys[i, :m])
                 candidate = ("dflash", tokens[i, :m], keys[i, :m], expected_tokens(p_draft), None)
-            source, proposal, fkeys, fprobs = free[i]
-            if len(proposal) and (free_expected := expected_tokens(fprobs))[-1] > candidate[3][-1]:
+            source, proposal, fkeys, free_expected = free[i]
+            if len(proposal) and free_expected[-1] > candidate[3][-1]:
                 candidate = (source, torch.tensor(proposal, dtype=torch.long), fkeys, free_expected, None)
             choices.append(candidate)
         return choices
