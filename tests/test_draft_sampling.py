@@ -39,13 +39,14 @@ def test_verify_block_pq_rules():
     assert (a, out) == (1, [0, 0])  # x2 = 2 rejected (u 0.9 > 0.8): p[1] without token 2 -> [0.5, 0.5, 0]
 
 
-@pytest.mark.parametrize("kind", ["v1-fixed", "v1-auto", "dflash2-fixed"])
+@pytest.mark.parametrize("kind", ["v1-fixed", "v1-auto", "dflash2-fixed", "v1-fixed-draft-vocab"])
 def test_sampled_drafts_give_the_target_s_law(small_target, kind):  # noqa: F811
     """The joint law of the first three tokens under speculative sampling, over 8,000 rows decoded in batches among
     rows of other lengths, rows joining and leaving (continuous batching, at most 12): chi-square p > 1e-3 and
     total variation < 0.05, as the seed-exact path's tests. With fixed blocks, drafts are accepted and rejected both
     (the cost-aware policy corrects its prices with measured step times, so how often it drafts varies by machine;
-    it mixes sampled drafts, lookup drafts and plain steps)."""
+    it mixes sampled drafts, lookup drafts and plain steps). With a draft vocabulary (draft_vocab.py), the drafts'
+    distributions are 0 outside half of the tokens."""
     target = Target(small_target)
     params = SamplingParams(temperature=0.9, top_p=0.95)
     arch = "dflash2" if kind.startswith("dflash2") else "dflash"
@@ -55,6 +56,9 @@ def test_sampled_drafts_give_the_target_s_law(small_target, kind):  # noqa: F811
     ).eval()
     with torch.no_grad():  # near-uniform draft distributions: drafts accepted about half the time
         draft.norm.weight.fill_(0.05)
+    if kind.endswith("draft-vocab"):
+        draft.token_counts = torch.arange(V).flip(0)  # the lower half of the ids
+        draft.draft_vocab_size = V // 2
     if arch == "dflash2":
         draft.candidate_selector.top_k = 4
         with torch.no_grad():

@@ -97,7 +97,9 @@ def test_fp16_layer_gives_a_row_its_bits_at_any_row_count(shape):
     for m in range(1, len(x) + 1):
         assert torch.equal(q(x[:m]), alone[:m]), m
     table = _fp16_row_counts()
-    assert table[1] >= 3 and all(table[m] >= m for m in range(1, len(table)))
+    # padding only ever adds rows: on avx2 one row is padded to 3 or more; on an avx512 EPYC fbgemm rounds every row
+    # count alike, the probe finds nothing to pad, and the rows above keep their bits all the same
+    assert all(table[m] >= m for m in range(1, len(table)))
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

@@ -566,6 +566,33 @@ def test_cli_regenerate_train_evaluate_export(tmp_path):
     assert "| held_out |" in card and "chat template mode" in card and "× 2 sequences, 4 anchors" in card
     assert "answer tokens from prompts.jsonl (greedy)" in card  # the model card records how the data was made
     assert (out / "checkpoints" / "last.pt").exists() and (out / "train_log.jsonl").exists()
+    # the answers it trained on, counted: what its draft vocabulary (--draft-vocab) is drawn from
+    from flashdraft.draft_vocab import load_token_counts
+    from flashdraft.training_data import TrainingData
+
+    counts, source = load_token_counts(out)
+    data = TrainingData(data_dir, features=False)
+    answers = [t for i in range(len(data)) for t, m in zip(data[i]["input_ids"].tolist(),
+                                                           data[i]["loss_mask"].tolist(), strict=True) if m]  # fmt: skip
+    assert counts.sum() == len(answers) and counts[answers[0]] >= 1 and str(data_dir) in source
+    assert "token counts (draft vocabulary)" in card
+    # `flashdraft data token-counts`: the same counts for a drafter trained elsewhere, text counted beside them
+    r = runner.invoke(app, ["data", "token-counts", "--draft", str(out), "--data", str(data_dir)])
+    assert r.exit_code == 0 and torch.equal(load_token_counts(out)[0], counts), r.output
+    r = runner.invoke(app, ["data", "token-counts", "--draft", str(out), "--data", str(data_dir),
+                            "--text", str(prompts), "--target", str(model_dir)])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    text = sum(len(make_tokenizer().encode(f"w{i} w{i + 1} w{i + 2}", add_special_tokens=False))
+               for i in range(3, 15))  # fmt: skip
+    assert load_token_counts(out)[0].sum() == counts.sum() + text
+    r = runner.invoke(app, ["data", "token-counts", "--draft", str(out), "--text", str(prompts)])
+    assert r.exit_code == 1 and "--target" in r.output and "Traceback" not in r.output
+    # decoding with a vocabulary of the 20 most counted tokens, and a bad size refused in one line
+    gen = ["generate", "w3 w4", "--target", str(model_dir), "--draft", str(out), "--max-new-tokens", "6"]
+    r = runner.invoke(app, [*gen, "--draft-vocab", "20", "--compare-ar", "--json"])
+    assert r.exit_code == 0 and '"identical_to_ar": true' in r.output, r.output
+    r = runner.invoke(app, [*gen, "--draft-vocab", "few"])
+    assert r.exit_code == 2 and "--draft-vocab" in r.output and "Traceback" not in r.output, r.output
     # `flashdraft eval` is the same measurement as the end of training: same prompts, same τ
     r = runner.invoke(app, ["eval", "--target", str(model_dir), "--draft", str(out), "--datasets", str(held_out),
                             "--samples", "2", "--max-new-tokens", "8", "--json", str(tmp_path / "eval.json")])  # fmt: skip

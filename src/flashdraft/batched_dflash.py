@@ -134,7 +134,12 @@ class BatchedDFlashProposer(BatchProposer):
         self.block_pass = draft_block_pass(self.draft, target) if self.static else None
         # the drafter's LM head compiled beside a compiled verify (None: eager or dynamic), else the eager one
         compiled_head = self.static and draft_head(
-            self.draft.config, single.head_weight, single.head_bias, target, module=single.packed_head
+            self.draft.config,
+            single.head_weight,
+            single.head_bias,
+            target,
+            module=single.packed_head,
+            vocab=None if single.vocab_ids is None else (single.vocab_ids, single.vocab_size),
         )
         self.head_logits = compiled_head or single.head_logits
         self.cache = self._new_cache()

@@ -103,6 +103,11 @@ def compile_options(device: torch.device, training: bool = False) -> dict[str, A
             "guard_filter_fn": no_module_guards,
             "max_autotune_gemm": True,
             "max_autotune_gemm_backends": "CPP,ATEN",
+            # bf16 intermediates rounded where eager rounds them, whatever inductor fuses: else a sum kept in fp32
+            # inside one graph's fused kernel is rounded in another's (the verify with the drafter's taps, the
+            # one-token step), and 5 of 6 bf16 DFlash outputs parted from plain decoding on a 2-core EPYC
+            # (avx512_bf16); with it, none (benchmarks/README.md, 2026-11-28)
+            "emulate_precision_casts": True,
             # the autotuning's tables of choices on stderr, at every compile: not for a user's terminal
             "autotune_num_choices_displayed": 0,
             "max_autotune_report_choices_stats": False,
@@ -490,36 +495,47 @@ def draft_head(
     bias: torch.Tensor | None,
     target: Any,
     module: torch.nn.Module | None = None,
+    vocab: tuple[torch.Tensor, int] | None = None,
 ) -> Any:
     """The drafter's LM head (`model.draft_logits` over [rows, H] states) compiled as the target's verify is, made
     once per target, head precision and drafter scaling; None when the verify is eager. `module`: a quantized head
     (quantize.Int8Linear) compiled as it is, in place of `weight` and `bias`. Eager, this head was most of a CPU
     draft pass: 25 of 34 ms for SmolLM2's 15 slots through MKL on a 2-core AMD EPYC, 8 ms through inductor's GEMM
-    template (the module docstring)."""
+    template (the module docstring). `vocab`: (ids, V) where the head covers the drafter's vocabulary only
+    (draft_vocab.py): the logits come out expanded to V columns, -inf at the others."""
     if target.compile_options is None:
         return None
+    from .draft_vocab import expand_logits, vocabulary_key
     from .model import draft_logits, scale_draft_logits
 
     scaling = (config.output_multiplier, config.final_logit_softcapping)
     precision = weight.dtype if module is None else (type(module).__name__, module.compute_dtype)
-    key = (options_key(target.compile_options), precision, scaling)
+    key = (options_key(target.compile_options), precision, scaling, vocabulary_key(vocab))
     heads = target.model.__dict__.setdefault("_flashdraft_draft_heads", {})
     if key in heads:
         return heads[key]
     if module is not None:
         head = module
 
-        def logits(hidden: torch.Tensor) -> torch.Tensor:
+        def head_logits(hidden: torch.Tensor) -> torch.Tensor:
             return scale_draft_logits(config, head(hidden).float())
     else:
         head = torch.nn.Module()  # the weights as a module's parameters: constants of the frozen graph
         head.weight = torch.nn.Parameter(weight, requires_grad=False)
         head.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
 
-        def logits(hidden: torch.Tensor) -> torch.Tensor:
+        def head_logits(hidden: torch.Tensor) -> torch.Tensor:
             return draft_logits(config, hidden, head.weight, head.bias)
 
-    compiled = compile_whole(logits, target.compile_options, weights=head)
+    holder = torch.nn.Module()  # the head and its vocabulary's ids: constants of the frozen graph
+    holder.head = head
+    holder.register_buffer("vocab_ids", None if vocab is None else vocab[0])
+
+    def logits(hidden: torch.Tensor) -> torch.Tensor:
+        out = head_logits(hidden)
+        return out if vocab is None else expand_logits(out, holder.vocab_ids, vocab[1])
+
+    compiled = compile_whole(logits, target.compile_options, weights=holder)
 
     def run(hidden: torch.Tensor) -> torch.Tensor:
         hidden = fresh(hidden)  # one row's slots, `hidden[:, 1:]`, start one state into their tensor

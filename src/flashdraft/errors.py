@@ -15,6 +15,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from .config import DFlashConfigError
     from .data import DataError
     from .datasets import DatasetError
+    from .draft_vocab import DraftVocabError
     from .extras import MissingExtraError
     from .grammar import GrammarError
     from .memory_plan import PlanError
@@ -32,6 +33,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
         BenchError,
         DataError,
         DatasetError,
+        DraftVocabError,
         DFlashConfigError,
         DFlashCheckpointError,
         RemoteError,

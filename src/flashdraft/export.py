@@ -100,6 +100,8 @@ def write_model_card(out_dir: Path, draft: DFlashDraftModel, info: dict[str, Any
     ]
     if info.get("precision"):
         lines.insert(-1, f"| precision | {info['precision']} |")
+    if draft.token_counts is not None:  # draft_vocab.py: what `--draft-vocab` draws the head's tokens from
+        lines.insert(-1, f"| token counts (draft vocabulary) | {draft.token_counts_source} |")
     prev = info.get("init_from")
     while isinstance(prev, dict):  # the whole chain of earlier stages, newest first
         lines += [

@@ -22,6 +22,7 @@ import torch
 
 from . import attention as short_query
 from .costs import CostModel
+from .draft_vocab import drafter_vocabulary, vocabulary_key
 from .files import atomic_write_text
 from .packed_linear import PackedLinear, is_packed
 from .quantize import Fp16Linear, Int8Linear
@@ -90,7 +91,9 @@ def cost_key(target: Any, draft: Any) -> dict[str, Any]:
     attention = getattr(getattr(target, "config", None), "_attn_implementation", None)
     model = getattr(target, "model", None)
     packed = isinstance(model, torch.nn.Module) and is_packed(model)  # oneDNN's linears price unlike MKL's
+    vocab = drafter_vocabulary(draft, target, target.vocab_size)  # the draft head's rows price its pass
     return {
+        **({"draft_vocab": vocabulary_key((vocab, target.vocab_size))} if vocab is not None else {}),
         **({"linear": "onednn-packed"} if packed else {}),
         **verify,
         **({"quantize": quantize} if quantize else {}),

@@ -33,6 +33,7 @@ from torch import nn
 
 from .config import CONFIG_NAME, SLIDING_ATTENTION, WEIGHTS_NAME, DFlashConfig, DFlashConfigError
 from .dflash2 import CandidateSelector, GroupedDynamicCausalConv
+from .draft_vocab import load_token_counts, save_token_counts
 from .files import atomic_write
 from .kv_cache import PAD_POSITION, DraftContextCache  # noqa: F401 - PAD_POSITION: this module's name for it
 
@@ -319,6 +320,8 @@ class DFlashDraftModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
         # The mask token's input row when the checkpoint ships one (`mask_embedding.pt`), else the target's row.
         self.mask_embedding: torch.Tensor | None = None
+        self.token_counts: torch.Tensor | None = None  # [vocab] int64 (draft_vocab.py)
+        self.token_counts_source = ""
         # Multi-block (training) attention: "auto" = FlexAttention block mask on CUDA, dense boolean mask elsewhere.
         self.attention_backend = "auto"
         self.reset_parameters()
@@ -576,6 +579,8 @@ class DFlashDraftModel(nn.Module):
         if self.mask_embedding is not None:
             row = self.mask_embedding.detach().to(dtype).cpu().clone()
             atomic_write(path / MASK_EMBEDDING_NAME, lambda tmp: torch.save(row, tmp))
+        if self.token_counts is not None:
+            save_token_counts(path, self.token_counts, self.token_counts_source)
         self.config.save_pretrained(path)
 
     @classmethod
@@ -630,6 +635,8 @@ class DFlashDraftModel(nn.Module):
         model.load_state_dict({k: v.to(load_dtype) for k, v in state.items()}, strict=True)
         model.rotary_emb = RotaryEmbedding(config).to(device or "cpu")
         model.mask_embedding = mask_embedding
+        # what its draft vocabulary is drawn from (draft_vocab.py), and what was counted
+        model.token_counts, model.token_counts_source = load_token_counts(path) or (None, "")
         return model.to(load_dtype).eval()
 
     def as_dflash2(self, **settings: int) -> DFlashDraftModel:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .draft_vocab import drafter_vocabulary, expand_logits, restrict_head, vocabulary_key
 from .model import DFlashDraftModel, DraftContextCache, block_inputs, draft_logits, scale_draft_logits
 from .packed_linear import PackedLinear
 from .quantize import Fp16Linear, Int8Linear
@@ -117,6 +118,22 @@ class DFlashProposer(Proposer):
         self.packed_head = head if packed else None
         self.head_weight = None if packed else head.weight
         self.head_bias = None if packed else getattr(head, "bias", None)  # a packed head adds its own
+        # The drafter's vocabulary (draft_vocab.py): the head over those rows only, logits expanded to every token.
+        self.vocab_size = head.out_features if packed else self.head_weight.shape[0]
+        self.vocab_ids = drafter_vocabulary(draft, target, self.vocab_size)
+        if self.vocab_ids is not None:
+            self.vocab_ids = self.vocab_ids.to(target.device)
+            # made once per target head and vocabulary (a generate() makes a proposer)
+            heads = target.model.__dict__.setdefault("_flashdraft_vocab_heads", {})
+            key = (id(head), packed, vocabulary_key((self.vocab_ids, self.vocab_size)))
+            if key not in heads:
+                heads[key] = restrict_head(
+                    head if packed else self.head_weight, self.head_bias, self.vocab_ids
+                )
+            if packed:
+                self.packed_head = heads[key]
+            else:
+                self.head_weight, self.head_bias = heads[key]
         if dtype is not None and dtype != draft.fc.weight.dtype:
             draft = cast_drafter(draft, dtype)
         if not packed and dtype is not None and dtype != self.head_weight.dtype:
@@ -181,8 +198,10 @@ class DFlashProposer(Proposer):
         """[rows, V] float32 draft logits of the target's LM head (in the drafter's precision) for [rows, H] states,
         with the drafter's output multiplier and soft-capping."""
         if self.packed_head is not None:
-            return scale_draft_logits(self.draft.config, self.packed_head(hidden.float()).float())
-        return draft_logits(self.draft.config, hidden, self.head_weight, self.head_bias)
+            logits = scale_draft_logits(self.draft.config, self.packed_head(hidden.float()).float())
+        else:
+            logits = draft_logits(self.draft.config, hidden, self.head_weight, self.head_bias)
+        return logits if self.vocab_ids is None else expand_logits(logits, self.vocab_ids, self.vocab_size)
 
     def block_inputs(self, block_ids: torch.Tensor) -> torch.Tensor:
         return block_inputs(

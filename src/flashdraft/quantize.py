@@ -29,6 +29,7 @@ all 3 to 6 rows high, found once per process by probing the kernel (`_fp16_row_c
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -63,6 +64,16 @@ class Int8Linear(nn.Module):
     def weight(self) -> torch.Tensor:
         """The dequantized weight (a new tensor each call): for code that reads a head's weight once."""
         return self.weight_int8.to(self.compute_dtype) * self.scales[:, None]
+
+    def select_rows(self, ids: torch.Tensor) -> Int8Linear:
+        """The layer over the output rows `ids` only, each with the bits it has here (a drafter's vocabulary)."""
+        part = copy.copy(self)
+        part._buffers = dict(self._buffers)
+        part.weight_int8 = self.weight_int8[ids].contiguous()
+        part.scales = self.scales[ids].contiguous()
+        part.bias = None if self.bias is None else self.bias[ids].contiguous()
+        part.out_features = ids.numel()
+        return part
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

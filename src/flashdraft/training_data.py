@@ -218,6 +218,13 @@ class TrainingData(torch.utils.data.Dataset):
     def lengths(self) -> list[int]:
         return [int(self._offsets[r + 1] - self._offsets[r]) for r in self._rows]
 
+    def answer_token_counts(self, vocab_size: int) -> torch.Tensor:
+        """[vocab_size] int64: how often each token occurs in the answers (the target's own text), what a drafter's
+        vocabulary is drawn from (draft_vocab.py)."""
+        answers = self._ids_flat[self._mask_flat]
+        answers = answers[(answers >= 0) & (answers < vocab_size)]
+        return torch.from_numpy(np.bincount(answers, minlength=vocab_size).astype(np.int64))
+
     def __len__(self) -> int:
         return len(self._rows)
 

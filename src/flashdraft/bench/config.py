@@ -70,6 +70,7 @@ class BenchConfig:
     temperature: float = 0.0
     block_size: int | None = None
     tree: int | None = None  # dflash-tree's node budget (None: TREE_AUTO_NODES)
+    draft_vocab: int | None = None  # --draft-vocab: the drafter head's tokens (0: all; None: auto)
     pld_tokens: int = 10
     seed: int = 0
     out_dir: Path | None = None

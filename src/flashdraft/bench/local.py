@@ -122,6 +122,7 @@ class LocalMethods:
                 cfg.draft, dtype=self.target.dtype, device=self.device
             )
             self.target.check_drafter(self.draft.config)
+            self.draft.draft_vocab_size = cfg.draft_vocab
             self.block_size = self.draft.config.block_size
             self.verify = cfg.block_size or "auto"
             if cfg.block_size and cfg.block_size > self.block_size:
@@ -162,7 +163,10 @@ class LocalMethods:
     def drafter_info(self) -> dict[str, Any] | None:
         if self.draft is None:
             return None
+        from ..draft_vocab import drafter_vocabulary
+
         c = self.draft.config
+        vocab = drafter_vocabulary(self.draft, self.target, self.target.vocab_size)
         return {
             "path": str(self.cfg.draft),
             "block_size": c.block_size,
@@ -170,6 +174,7 @@ class LocalMethods:
             "target_layer_ids": list(c.target_layer_ids),
             "mask_token_id": c.mask_token_id,
             "parameters": self.draft.num_parameters(),
+            "draft_vocab": None if vocab is None else vocab.numel(),  # the head's tokens (None: all)
             "flashdraft": getattr(c, "flashdraft", None) or {},
         }
 

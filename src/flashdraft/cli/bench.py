@@ -23,7 +23,7 @@ from ..bench import (
     split_datasets,
     update_readme,
 )
-from .common import CompileOption, QuantizeOption, parse_tree
+from .common import CompileOption, DraftVocabOption, QuantizeOption, parse_draft_vocab, parse_tree
 
 
 def _redacted_command(argv: Sequence[str]) -> str:
@@ -82,6 +82,7 @@ def bench_command(
         str,
         typer.Option(help="method dflash-tree's node budget: N nodes at most, or auto (the default budget)"),
     ] = "auto",
+    draft_vocab: DraftVocabOption = "auto",
     pld_tokens: Annotated[int, typer.Option(help="prompt_lookup_num_tokens for pld")] = 10,
     seed: Annotated[int, typer.Option(help="sample selection and sampling seed")] = 0,
     out: Annotated[
@@ -153,7 +154,7 @@ def bench_command(
             cfg = BenchConfig(
                 target=target, datasets=datasets, methods=parse_methods(methods), draft=draft, assistant=assistant,
                 max_samples=max_samples, max_new_tokens=max_new_tokens, temperature=temperature,
-                block_size=block_size, tree=parse_tree(tree), pld_tokens=pld_tokens, seed=seed, out_dir=out, device=device, dtype=dtype,
+                block_size=block_size, tree=parse_tree(tree), draft_vocab=parse_draft_vocab(draft_vocab), pld_tokens=pld_tokens, seed=seed, out_dir=out, device=device, dtype=dtype,
                 threads=threads, compile_verify=compile_verify, thinking=thinking, chat=chat, save_outputs=save_outputs, plots=plots,
                 command=command, quantize=quantize, llamacpp=llamacpp, llamacpp_model=llamacpp_model,
                 llamacpp_draft=llamacpp_draft, llamacpp_draft_max=llamacpp_draft_max,

@@ -36,6 +36,29 @@ TreeOption = Annotated[
         "few candidates per slot) | auto (the policy picks the tree size); the output is unchanged",
     ),
 ]
+DraftVocabOption = Annotated[
+    str,
+    typer.Option(
+        "--draft-vocab",
+        help="the drafter's LM head over the N most frequent tokens of what it was trained on (its "
+        "token_counts.safetensors): N | all | auto (8192 where the drafter ships token counts, else all); the "
+        "output is unchanged",
+    ),
+]
+
+
+def parse_draft_vocab(text: str) -> int | None:
+    """`--draft-vocab`: N tokens, 0 for all, None for auto."""
+    from ..draft_vocab import DraftVocabError
+
+    word = text.strip().lower()
+    if word == "auto":
+        return None
+    if word == "all":
+        return 0
+    if not word.isdigit() or int(word) < 1:
+        raise DraftVocabError(f"--draft-vocab must be a number of tokens, all or auto, not {text!r}")
+    return int(word)
 
 
 def parse_tree(text: str) -> int | None:

@@ -262,7 +262,88 @@ def _make_app():
             f"{out}: {len(records)} code prompts from the Python {sys.version.split()[0]} standard library"
         )
 
+    @app.command("token-counts")
+    def token_counts_cmd(
+        draft: Path = typer.Option(
+            ..., "--draft", help="Drafter directory: token_counts.safetensors goes there."
+        ),
+        data: list[Path] = typer.Option(
+            [], "--data", help="Regenerated data (directory or packed .npz): its answer tokens; repeatable."
+        ),
+        text: list[Path] = typer.Option(
+            [], "--text", help="Text (.jsonl[.gz]: every string in each record): its tokens; repeatable."
+        ),
+        target: str | None = typer.Option(
+            None, "--target", help="Tokenizer for --text: the target (pack name, local path or hub id)."
+        ),
+    ) -> None:
+        """Count the tokens a drafter's vocabulary is drawn from (`--draft-vocab`: its LM head over the most
+        frequent tokens only): the target's answers it was trained on (`flashdraft train` writes these itself), or
+        text of the same kind."""
+        import torch
+
+        from ..draft_vocab import count_tokens, save_token_counts
+        from ..model import DFlashCheckpointError, load_drafter_config
+        from ..training_data import TrainingData
+
+        if not data and not text:
+            fail("give --data (regenerated answers) or --text (text files) to count")
+        if text and target is None:
+            fail("--text needs --target (its tokenizer)")
+        try:
+            vocab = load_drafter_config(draft).vocab_size
+        except (DFlashCheckpointError, OSError, ValueError) as e:
+            fail(str(e))
+        counts, sources = torch.zeros(vocab, dtype=torch.int64), []
+        try:
+            for d in data:
+                counts += TrainingData(d, features=False).answer_token_counts(vocab)
+                sources.append(f"answer tokens of {d}")
+            if text:
+                tokenizer = _tokenizer(target)
+                for f in text:
+                    counts += count_tokens(
+                        (tokenizer.encode(t, add_special_tokens=False) for t in _strings(f)), vocab
+                    )
+                    sources.append(f"text of {f.name}")
+        except (DataError, OSError, ValueError) as e:
+            fail(str(e))
+        save_token_counts(draft, counts, "; ".join(sources))
+        covered = int((counts > 0).sum())
+        typer.echo(f"{draft}: {int(counts.sum())} tokens counted, {covered} of {vocab} token ids seen")
+
     return app
+
+
+def _tokenizer(target: str):
+    from transformers import AutoTokenizer
+
+    from ..packs import resolve_model
+
+    return AutoTokenizer.from_pretrained(resolve_model(target))
+
+
+def _strings(path: Path):
+    """Every string value of every record of a .jsonl[.gz] file (lists and nested objects included)."""
+    import gzip
+
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                stack = [json.loads(line)]
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{line_no}: not JSON ({e})") from None
+            while stack:
+                item = stack.pop()
+                if isinstance(item, str):
+                    yield item
+                elif isinstance(item, dict):
+                    stack.extend(item.values())
+                elif isinstance(item, list):
+                    stack.extend(item)
 
 
 data_app = _make_app()

@@ -14,12 +14,14 @@ from rich.table import Table
 from ..errors import one_line_errors
 from .common import (
     CompileOption,
+    DraftVocabOption,
     QuantizeOption,
     TreeOption,
     compile_or_note,
     console,
     out,
     parse_block_size,
+    parse_draft_vocab,
     parse_tree,
     tree_note,
 )
@@ -119,6 +121,7 @@ def generate_command(
     compile_verify: CompileOption = False,
     quantize: QuantizeOption = None,
     tree: TreeOption = "off",
+    draft_vocab: DraftVocabOption = "auto",
     json_schema: Annotated[
         Path | None, typer.Option(help="structured output: the answer is JSON valid for this schema file")
     ] = None,
@@ -176,6 +179,7 @@ def generate_command(
     draft_config = load_drafter_config(draft)
     verify = parse_block_size(block_size, draft_config.block_size)
     nodes = parse_tree(tree)
+    vocab_size = parse_draft_vocab(draft_vocab)
     target_path = resolve_model(target)  # unknown pack names fail here; a pack is fetched once
     from transformers import AutoConfig
 
@@ -205,6 +209,7 @@ def generate_command(
     if compile_verify:
         compile_or_note(tgt)
     drafter = DFlashDraftModel.from_pretrained(draft, dtype=tgt.dtype, device=tgt.device)
+    drafter.draft_vocab_size = vocab_size
     load_s = time.perf_counter() - t0
     busy = busy_machine_warning(tgt.device.type, torch.get_num_threads())
     if busy:

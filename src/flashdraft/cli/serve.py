@@ -10,11 +10,13 @@ import typer
 from ..errors import one_line_errors
 from .common import (
     CompileOption,
+    DraftVocabOption,
     QuantizeOption,
     TreeOption,
     compile_or_note,
     console,
     parse_block_size,
+    parse_draft_vocab,
     parse_tree,
     tree_note,
 )
@@ -42,6 +44,7 @@ def serve_command(
     compile_verify: CompileOption = False,
     quantize: QuantizeOption = None,
     tree: TreeOption = "off",
+    draft_vocab: DraftVocabOption = "auto",
     images: Annotated[
         bool | None,
         typer.Option(
@@ -73,6 +76,7 @@ def serve_command(
         block_size, load_drafter_config(draft).block_size if draft is not None else None
     )
     nodes = parse_tree(tree)
+    vocab_size = parse_draft_vocab(draft_vocab)
     if max_queue < 1:
         raise GenerationError(f"--max-queue must be >= 1, got {max_queue}")
     if max_batch_size < 1:
@@ -87,6 +91,7 @@ def serve_command(
     if draft is not None:
         check_drafter_fits_config(load_drafter_config(draft), tgt.model.config, target)
         drafter = DFlashDraftModel.from_pretrained(draft, dtype=tgt.dtype, device=tgt.device)
+        drafter.draft_vocab_size = vocab_size
         if note := tree_note(tgt, nodes):
             console.print(f"[yellow]note:[/] {note}")
     if threads:

@@ -478,6 +478,9 @@ def train_command(
                 for k in ("steps", "global_batch", "data_summary", "wall_time_s", "hardware", "init_from")
             },
         }
+    if parts:  # the answers it was trained on: what its draft vocabulary is drawn from (draft_vocab.py)
+        drafter.token_counts = sum(p.answer_token_counts(tgt.vocab_size) for p in parts)
+        drafter.token_counts_source = "answer tokens of " + ", ".join(str(d) for d in data)
     export_drafter(drafter, out, meta, _DTYPES[export_dtype])
     exported = DFlashDraftModel.from_pretrained(
         out, dtype=tgt.dtype, device=tgt.device
