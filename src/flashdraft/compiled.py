@@ -161,6 +161,7 @@ def compile_whole(fn: Any, compile_options: dict[str, Any], weights: Any = None)
 
     _register_one_gemm_choice()
     _register_fp32_int8_micro_gemm()
+    _register_bf16_four_row_micro_gemm()
     _register_int8_concat_linear()
     _no_onednn_prepack()
     unrecorded = _unrecorded_cache_artifacts()
@@ -202,6 +203,15 @@ def _unrecorded_cache_artifacts() -> Any:
         return contextlib.nullcontext
 
 
+def kernels_tag() -> str:
+    """A hash of this file: the kernel choices made here (register blocks, GEMM choices), which the graphs frozen in
+    inductor's cache and the cost model's prices depend on."""
+    import hashlib
+    from pathlib import Path
+
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:8]
+
+
 def frozen_cache_tag(weights: Any) -> str:
     """The name of a frozen graph's weights in inductor's on-disk FX graph cache (torch's `cache_key_tag`): this
     package's version, a hash of this file (it chooses the graphs' kernels) and a sha256 of every parameter and
@@ -211,11 +221,10 @@ def frozen_cache_tag(weights: Any) -> str:
     shapes, in a later process, ran the first one's packed weights (a toy two-linear model, torch 2.13: outputs off
     by 1.0)."""
     import hashlib
-    from pathlib import Path
 
     from . import __version__
 
-    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:8]  # the kernel choices made here
+    code = kernels_tag()
     modules = [weights] if isinstance(weights, torch.nn.Module) else list(weights)
     digest = hashlib.sha256()
     for module in modules:
@@ -289,6 +298,38 @@ def _register_fp32_int8_micro_gemm() -> None:
             output_dtype=torch.float32,
             compute_dtype=torch.float32,
         )
+
+
+def _register_bf16_four_row_micro_gemm() -> None:
+    """Once per process, before any frozen graph: the C++ GEMM template's bf16 register block on avx512 is 4 x 48,
+    not inductor's 8 x 48 (or 8 x 32, 16 x 16). The template takes one block for every row count, and compiled by
+    g++ 12 its 5- to 8-row kernels spill their 24 accumulators to the stack at every step of k: on a 2-core AMD EPYC
+    (avx512_bf16, no AMX) SmolLM2's 30 MLP up-projections at 8 / 16 rows took 14.8 / 28.8 ms against 6.0 / 10.8 ms
+    with 4 x 48 blocks, the same 2.8-3.0 ms at 4 rows, and a verify past 4 tokens cost about 7 ms a token. Each
+    output is the same FMA sequence over k whatever the block, so rows keep their bits (and the bits they had with
+    8 x 48 blocks) at any row count (benchmarks/README.md, 2026-11-28). AMX's kernels are another class: untouched."""
+    if getattr(_register_bf16_four_row_micro_gemm, "done", False):
+        return
+    _register_bf16_four_row_micro_gemm.done = True
+    try:
+        import torch._inductor.lowering  # noqa: F401 - before codegen: inductor's modules import in this order
+        from torch._inductor.codegen import cpp_micro_gemm as micro
+        from torch._inductor.cpu_vec_isa import VecAVX512
+
+        configs = micro.micro_gemm_configs[micro.CppMicroGemmFP32Vec]
+    except (ImportError, AttributeError, KeyError):  # another torch: its own blocks, as before
+        return
+
+    def bf16_avx512(c: Any) -> bool:
+        return (
+            c.vec_isa_cls is VecAVX512
+            and c.input_dtype == torch.bfloat16
+            and getattr(c, "input2_dtype", c.input_dtype) == torch.bfloat16
+        )
+
+    configs[:] = [c for c in configs if not bf16_avx512(c)] + micro.generate_gemm_config(
+        VecAVX512, [(4, 48, 1)], input_dtype=torch.bfloat16, output_dtype=torch.float32
+    )
 
 
 def _register_int8_concat_linear() -> None:

@@ -79,13 +79,15 @@ def cpu_name() -> str:
 
 def cost_key(target: Any, draft: Any) -> dict[str, Any]:
     """What the timings depend on: machine, threads, library versions, model shapes and dtypes."""
-    from .compiled import options_key
+    from .compiled import kernels_tag, options_key
     from .kv_cache import uses_static_cache
 
     device = target.device
     verify = {}
     if uses_static_cache(target):  # priced as the engine runs it: static cache, compiled or not
         verify = {"verify": {"static_cache": True, "compile": options_key(target.compile_options)}}
+        if target.compile_options is not None:  # priced with the kernels this version of compiled.py chooses
+            verify["verify"]["kernels"] = kernels_tag()
     quantize = getattr(target, "quantize", None)  # int8 weights cost another price list than the bf16 ones
     # attention.py's short-query attention (on a CPU) prices verifies unlike transformers' SDPA function does
     attention = getattr(getattr(target, "config", None), "_attn_implementation", None)
