@@ -325,25 +325,18 @@ def _tokenizer(target: str):
 
 def _strings(path: Path):
     """Every string value of every record of a .jsonl[.gz] file (lists and nested objects included)."""
-    import gzip
+    from ..prompts import read_jsonl
 
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                stack = [json.loads(line)]
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{line_no}: not JSON ({e})") from None
-            while stack:
-                item = stack.pop()
-                if isinstance(item, str):
-                    yield item
-                elif isinstance(item, dict):
-                    stack.extend(item.values())
-                elif isinstance(item, list):
-                    stack.extend(item)
+    for record in read_jsonl(path):
+        stack = [record]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, str):
+                yield item
+            elif isinstance(item, dict):
+                stack.extend(item.values())
+            elif isinstance(item, list):
+                stack.extend(item)
 
 
 data_app = _make_app()
