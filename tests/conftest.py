@@ -382,3 +382,10 @@ def dflash_and_plain_servers(target):
     finally:
         for engine in engines.values():
             engine.close()
+
+
+def workers_stderr(stderr: str, keep: int = 3000) -> str:
+    """What a torchrun job's workers printed last, without the launcher's own traceback and failure table that
+    follow it (they name the signal, not the cause: 'terminate called ...' sits above them)."""
+    launcher = stderr.find('Traceback (most recent call last):\n  File "<frozen runpy>"')
+    return stderr[:launcher][-keep:] if launcher > 0 else stderr[-keep:]

@@ -12,8 +12,9 @@ import sys
 import torch
 import torch.distributed as dist
 
+from flashdraft.distributed import end_distributed
 from flashdraft.sharding import is_sharded, load_sharded_target
-from flashdraft.train import TrainConfig, Trainer, end_distributed
+from flashdraft.train import TrainConfig, Trainer
 
 
 def main(model_dir: str, data_file: str, out_file: str, drafter: str, arch: str) -> None:
@@ -43,7 +44,7 @@ def main(model_dir: str, data_file: str, out_file: str, drafter: str, arch: str)
             },
             out_file,
         )
-    trainer.unwrap()
+    del trainer, target, whole  # the sharded modules hold the process group (flashdraft/distributed.py)
     end_distributed()
 
 

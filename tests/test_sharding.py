@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import hybrid_model, tiny_model
+from conftest import hybrid_model, tiny_model, workers_stderr
 from flashdraft.target import Target
 from flashdraft.train import TrainConfig, Trainer
 
@@ -57,7 +57,7 @@ def test_two_process_sharded_target_matches_one_process(tmp_path, family, drafte
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(worker),
            str(model_dir), str(tmp_path / "data.pt"), str(tmp_path / "sharded.pt"), drafter, arch]  # fmt: skip
     done = subprocess.run(run, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, workers_stderr(done.stderr)
     sharded = torch.load(tmp_path / "sharded.pt", weights_only=False)
     assert sharded["rows"] and all(here == -(-rows // 2) for here, rows in sharded["rows"]), sharded["rows"]
 
@@ -87,3 +87,43 @@ def test_two_process_sharded_target_matches_one_process(tmp_path, family, drafte
     for i in ours:
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(theirs[i][key], ours[i][key], rtol=1e-4, atol=1e-6)
+
+
+def test_end_distributed_frees_the_process_group_of_a_sharded_run(tmp_path, monkeypatch):
+    """After a sharded target and drafter trained (FSDP2, one process), `end_distributed` frees the gloo group
+    while the interpreter lives: DTensor's dispatch caches would otherwise keep it until interpreter exit, where
+    gloo's threads can abort a finished torchrun job (SIGABRT; CI saw it in test_torchrun_cli_...)."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from flashdraft.distributed import end_distributed, init_distributed
+    from flashdraft.sharding import is_sharded, shard_decoder
+
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.setenv(name, "")  # remembers the value before the test, which is restored after it
+        monkeypatch.delenv(name)  # init_distributed picks a free port and sets them
+    model = tiny_model("llama", seed=4, layers=2)
+    data = _dataset(model, n=2)
+    assert init_distributed(single_group=True) == (0, 1, "cpu")
+    try:
+        group = weakref.ref(dist.group.WORLD)
+        shard_decoder(model, init_device_mesh("cpu", (1,)))
+        target = Target(model)
+        cfg = TrainConfig(out_dir=str(tmp_path / "run"), num_layers=1, block_size=4, num_anchors=4, max_steps=1,
+                          batch_size=1, grad_accum=1, mask_token_id=3, target_layer_ids=[0, 1], progress=False,
+                          save_every=100, shard_drafter=True)  # fmt: skip
+        trainer = Trainer(target, data, cfg)
+        assert is_sharded(target.model) and is_sharded(trainer.draft)
+        trainer.fit()
+        # what the caller drops; DTensor's caches still hold the mesh and its group
+        del trainer, target, model
+        end_distributed()
+        assert not dist.is_initialized()
+        gc.collect()
+        assert group() is None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from conftest import VOCAB, tiny_model
+from conftest import VOCAB, tiny_model, workers_stderr
 from flashdraft import DFlashDraftModel, DFlashProposer, Target, generate, generate_ar
 from flashdraft.blocks import (
     default_gamma,
@@ -395,7 +395,8 @@ def test_resume_reaches_the_same_parameters(tmp_path):
 def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str, result_file: str) -> None:
     import torch.distributed as dist
 
-    from flashdraft.train import Trainer, end_distributed
+    from flashdraft.distributed import end_distributed
+    from flashdraft.train import Trainer
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -660,7 +661,7 @@ def test_torchrun_cli_two_processes_match_one_process(tmp_path):
     ]
     two = subprocess.run([*run, *common, "--out", str(tmp_path / "two"), "--batch-size", "1"],
                          env=env, capture_output=True, text=True)  # fmt: skip
-    assert two.returncode == 0, two.stderr[-2000:]
+    assert two.returncode == 0, workers_stderr(two.stderr)
     assert "2 process(es)" in two.stdout and "1 process(es)" in one.stdout
     a = load_file(tmp_path / "one" / "model.safetensors")
     b = load_file(tmp_path / "two" / "model.safetensors")
@@ -670,7 +671,7 @@ def test_torchrun_cli_two_processes_match_one_process(tmp_path):
     # the target sharded over the two processes (FSDP2): the same drafter again, and τ evaluation skipped
     sharded = subprocess.run([*run, *common, "--out", str(tmp_path / "sharded"), "--batch-size", "1",
                               "--shard-target", "--eval-datasets", "gsm8k"], env=env, capture_output=True, text=True)  # fmt: skip
-    assert sharded.returncode == 0, sharded.stderr[-2000:]
+    assert sharded.returncode == 0, workers_stderr(sharded.stderr)
     assert "sharded over 2 (FSDP2)" in sharded.stdout and "τ evaluation skipped" in sharded.stdout
     c = load_file(tmp_path / "sharded" / "model.safetensors")
     for name in a:
@@ -678,7 +679,7 @@ def test_torchrun_cli_two_processes_match_one_process(tmp_path):
     # and the drafter sharded as well: gathered on rank 0 for its export
     both = subprocess.run([*run, *common, "--out", str(tmp_path / "both"), "--batch-size", "1", "--shard-target",
                            "--shard-drafter"], env=env, capture_output=True, text=True)  # fmt: skip
-    assert both.returncode == 0, both.stderr[-2000:]
+    assert both.returncode == 0, workers_stderr(both.stderr)
     assert "drafter sharded (FSDP2)" in both.stdout
     d = load_file(tmp_path / "both" / "model.safetensors")
     for name in a:

@@ -43,6 +43,7 @@ from .blocks import (
     sample_anchors,
     slot_weights,
 )
+from .distributed import rank_and_world
 from .export import evaluate_tau
 from .files import atomic_write, atomic_write_text
 from .loss import selector_loss, target_distribution, weighted_block_loss
@@ -131,19 +132,6 @@ def gpu_utilization(device: torch.device) -> int | None:
         return None
 
 
-def end_distributed() -> None:
-    """Wait for every rank, then tear the process group down while the interpreter is fully alive."""
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def _dist_info() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def _atomic_torch_save(obj: Any, path: Path) -> None:
     atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
@@ -161,7 +149,7 @@ class Trainer:
         self.target = target
         self.dataset = dataset
         self.cfg = config
-        self.rank, self.world = _dist_info()
+        self.rank, self.world = rank_and_world()
         self.device = target.device
         if draft is None:
             if config.init_from:

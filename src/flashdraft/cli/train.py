@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import typer
 
+from ..distributed import end_distributed, init_distributed
 from ..errors import one_line_errors
 from ..export import data_summary, evaluate_tau, export_drafter, machine_description, write_model_card
 from ..model import DFlashDraftModel
@@ -284,30 +285,6 @@ def _memory_plan(
     return planned
 
 
-def _init_distributed(single_group: bool = False) -> tuple[int, int, str | None]:
-    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; gloo on CPU, nccl on GPUs. `single_group`: a process group even for
-    one process (a sharded target needs one: FSDP2 at world size 1)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1 and not single_group:
-        return 0, 1, None
-    if world <= 1 and "MASTER_ADDR" not in os.environ:
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
-        )
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl")
-        return dist.get_rank(), world, f"cuda:{local_rank}"
-    dist.init_process_group("gloo")
-    return dist.get_rank(), world, "cpu"
-
-
 def train_command(
     target: str,
     data: list[Path],
@@ -376,7 +353,7 @@ def train_command(
         for line in planned.lines():
             print(line)
         return
-    rank, world, dist_device = _init_distributed(single_group=shard_target or shard_drafter)
+    rank, world, dist_device = init_distributed(single_group=shard_target or shard_drafter)
     if rank == 0:
         print("\n".join(planned.lines()))
     if shard_target:
@@ -448,7 +425,8 @@ def train_command(
     if dist.is_initialized():
         dist.barrier()
     if rank != 0:
-        dist.destroy_process_group()
+        del trainer, tgt  # the sharded modules hold the process group (distributed.py)
+        end_distributed(barrier=False)
         return
     chat = manifests[0].get("chat_template")
     meta = {
@@ -502,5 +480,5 @@ def train_command(
             print(f"τ {name}: {r['tau']:.2f} over {r['prompts']} prompts")
     write_model_card(out, exported, {**meta, "global_batch": trainer.global_batch})
     print(f"drafter written to {out}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    del trainer, tgt
+    end_distributed(barrier=False)
