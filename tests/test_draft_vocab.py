@@ -150,11 +150,15 @@ def test_token_counts_travel_with_the_drafter(models, tmp_path):
     loaded = DFlashDraftModel.from_pretrained(tmp_path / "d")
     assert torch.equal(loaded.token_counts, draft.token_counts)
     assert loaded.token_counts_source == "answer tokens of somewhere"
-    (tmp_path / "d" / "token_counts.safetensors").unlink()
+    # vLLM and SGLang load every *.safetensors file of the folder as the drafter's weights (vLLM refuses a stray one)
+    assert [f.name for f in (tmp_path / "d").glob("*.safetensors")] == ["model.safetensors"]
+    (tmp_path / "d" / "token_counts.json").unlink()
     assert DFlashDraftModel.from_pretrained(tmp_path / "d").token_counts is None  # z-lab's layout alone
-    (tmp_path / "d" / "token_counts.safetensors").write_text("not safetensors")
-    with pytest.raises(DraftVocabError, match="cannot read"):
-        DFlashDraftModel.from_pretrained(tmp_path / "d")
+    for broken in ("not json", '{"vocab_size": 64, "ids": [1, 2], "counts": [5]}', '{"ids": [1], "counts": [5]}',
+                   '{"vocab_size": 64, "ids": [99], "counts": [5]}'):  # fmt: skip
+        (tmp_path / "d" / "token_counts.json").write_text(broken)
+        with pytest.raises(DraftVocabError, match="token_counts.json"):
+            DFlashDraftModel.from_pretrained(tmp_path / "d")
 
 
 @pytest.mark.parametrize("quantized", [False, True])

@@ -41,7 +41,7 @@ DraftVocabOption = Annotated[
     typer.Option(
         "--draft-vocab",
         help="the drafter's LM head over the N most frequent tokens of what it was trained on (its "
-        "token_counts.safetensors): N | all | auto (8192 where the drafter ships token counts, else all); the "
+        "token_counts.json): N | all | auto (8192 where the drafter ships token counts, else all); the "
         "output is unchanged",
     ),
 ]

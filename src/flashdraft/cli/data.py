@@ -264,9 +264,7 @@ def _make_app():
 
     @app.command("token-counts")
     def token_counts_cmd(
-        draft: Path = typer.Option(
-            ..., "--draft", help="Drafter directory: token_counts.safetensors goes there."
-        ),
+        draft: Path = typer.Option(..., "--draft", help="Drafter directory: token_counts.json goes there."),
         data: list[Path] = typer.Option(
             [], "--data", help="Regenerated data (directory or packed .npz): its answer tokens; repeatable."
         ),
