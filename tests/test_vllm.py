@@ -79,8 +79,9 @@ def save_target(arch: str, out: Path):
 
 
 def export_draft(target, out: Path, *, layers: int = 1, arch: str = "dflash") -> DFlashDraftModel:
-    """A random drafter, exported as `flashdraft train` exports one. Each layer's k_norm gets a different scale, so
-    a kernel that applied one layer's norm to another would change the drafts."""
+    """A random drafter, exported as `flashdraft train` exports one, token counts included (draft_vocab.py: the
+    folder must still load in vLLM). Each layer's k_norm gets a different scale, so a kernel that applied one layer's
+    norm to another would change the drafts."""
     draft = DFlashDraftModel.for_target(
         target.config,
         num_layers=layers,
@@ -98,6 +99,8 @@ def export_draft(target, out: Path, *, layers: int = 1, arch: str = "dflash") ->
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
         for i, layer in enumerate(draft.layers):
             layer.self_attn.k_norm.weight.mul_(1.0 + 1.5 * i)
+    draft.token_counts = torch.randint(0, 100, (target.config.vocab_size,), generator=g)
+    draft.token_counts_source = "random counts"
     export_drafter(draft.eval(), out, {"target": "tiny"}, torch.float32)
     return DFlashDraftModel.from_pretrained(out, dtype=torch.float32)
 
