@@ -374,6 +374,23 @@ def test_hybrid_targets_verify_chains_and_stay_exact():
     assert got.proposer_stats["tree_steps"] == 0
 
 
+def test_the_compiled_cpu_path_in_bf16_verifies_chains():
+    """Compiled on a CPU in bf16 a chain's verify keeps a one-token step's bits and a tree's is not shown to: chains
+    there (the refusal is what the proposer and `--verbose` report); eager bf16 and compiled fp32 keep trees."""
+    from flashdraft.compiled import compile_options
+    from flashdraft.tree import tree_refusal
+
+    bf16 = Target(tiny_model("llama").to(torch.bfloat16))
+    assert tree_refusal(bf16) is None
+    bf16.compile_options = compile_options(bf16.device)  # what compiled.compile_verify sets
+    assert "compiled CPU path" in tree_refusal(bf16)
+    proposer = BatchedDFlashProposer(drafter(bf16.config).to(torch.bfloat16), bf16, block_size=5, tree=8)
+    assert proposer.tree is None and "compiled" in proposer.tree_note
+    fp32 = Target(tiny_model("llama"))
+    fp32.compile_options = compile_options(fp32.device)
+    assert tree_refusal(fp32) is None
+
+
 def test_a_tree_past_a_sliding_window_is_refused_not_run():
     """The engine never verifies a tree under the full mask where the window would cut it."""
     target = Target(tiny_model("gemma3"))  # an 8-token window
