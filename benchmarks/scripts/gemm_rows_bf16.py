@@ -1,7 +1,9 @@
 """bf16 linears of SmolLM2-135M's decoder shapes (30 layers: q, gate, up, down; residual adds between) compiled and
-frozen as the verify compiles them (compiled.compile_whole: the 4-row bf16 register block on avx512), at 1, 4, 8 and
-16 rows: median ms and the ratio to one row. An optional "Mt,Nt,Kt" sets inductor's GEMM thread factors.
-benchmarks/README.md, 2026-11-28 (Zen 4 EPYC). Run: python benchmarks/scripts/gemm_rows_bf16.py [Mt,Nt,Kt]"""
+frozen as the verify compiles them (compiled.compile_whole, the micro-kernels of cpu_gemm.py), at 1, 4, 8 and 16
+rows: median ms and the ratio to one row. Options: "int8" (int8 weights, quantize.Int8Linear, bf16 rows),
+"widening" (inductor's widening bf16 kernel, not the vdpbf16ps pair kernel), "Mt,Nt,Kt" (inductor's GEMM thread
+factors). benchmarks/README.md, 2026-11-28 (Zen 4 EPYC).
+Run: python benchmarks/scripts/gemm_rows_bf16.py [int8] [widening] [Mt,Nt,Kt]"""
 
 import sys
 import time
@@ -10,9 +12,14 @@ import torch
 from torch import nn
 
 import flashdraft.compiled as C
+from flashdraft.cpu_gemm import register_cpu_gemm_kernels
+from flashdraft.quantize import Int8Linear
 
 torch.set_num_threads(2)
-factors = sys.argv[1] if len(sys.argv) > 1 else ""
+int8, widening = "int8" in sys.argv[1:], "widening" in sys.argv[1:]
+factors = next((a for a in sys.argv[1:] if "," in a), "")
+if widening:
+    register_cpu_gemm_kernels(without=frozenset({"bf16-pairs"}))
 if factors:
     from torch._inductor import config as inductor_config
 
@@ -39,20 +46,26 @@ class Decoder(nn.Module):
 
 torch.manual_seed(0)
 model = Decoder().bfloat16().eval()
+if int8:
+    for layer in model.layers:
+        for name in list(layer):
+            layer[name] = Int8Linear(layer[name].float(), torch.bfloat16)
 fn = C.compile_whole(model, C.compile_options(torch.device("cpu")), weights=model)
 ms = {}
+inputs = {rows: torch.randn(1, rows, 576).bfloat16() for rows in (1, 4, 8, 16)}
+times: dict[int, list[float]] = {rows: [] for rows in inputs}
 with torch.no_grad():
-    for rows in (1, 4, 8, 16):
-        x = torch.randn(1, rows, 576).bfloat16()
+    for x in inputs.values():
         for _ in range(3):
             fn(x)
-        times = []
-        for _ in range(30):
-            start = time.perf_counter()
-            fn(x)
-            times.append(time.perf_counter() - start)
-        ms[rows] = sorted(times)[len(times) // 2] * 1e3
+    for _ in range(12):  # the row counts interleaved, so that a slower minute slows them all
+        for rows, x in inputs.items():
+            for _ in range(5):
+                start = time.perf_counter()
+                fn(x)
+                times[rows].append(time.perf_counter() - start)
+ms = {rows: sorted(t)[len(t) // 2] * 1e3 for rows, t in times.items()}
 flops = {rows: 2 * rows * 30 * (576 * 576 + 3 * 576 * 1536) / (ms[rows] * 1e-3) / 1e9 for rows in ms}
-print(factors or "default thread factors")
+print(" ".join(a for a in ("int8" if int8 else "bf16", "widening" if widening else "pairs", factors) if a))
 for rows in ms:
     print(f"{rows:>2} rows: {ms[rows]:6.2f} ms  {ms[rows] / ms[1]:.2f}x one row  {flops[rows]:6.1f} GFLOP/s")

@@ -11,11 +11,12 @@ import torch
 from torch import nn
 
 import flashdraft.compiled as compiled
+from flashdraft.cpu_gemm import register_cpu_gemm_kernels
 from flashdraft.kv_cache import symbolic_sizes
 
 variant = sys.argv[1]
 if variant == "int8-aten":  # as before flashdraft registered the configuration
-    compiled._register_fp32_int8_micro_gemm.done = True
+    register_cpu_gemm_kernels(without=frozenset({"fp32-int8"}))
 torch._inductor.config.fx_graph_cache = False  # the variants freeze the same weights: no graph from another
 torch.manual_seed(0)
 torch.set_grad_enabled(False)  # frozen graphs only under no_grad

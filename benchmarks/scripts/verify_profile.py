@@ -1,5 +1,6 @@
-"""Per-kernel profile of the compiled verify of SmolLM2-135M (fp32) after 256 tokens, at the given lengths
-(inductor's kernel profiling on). benchmarks/README.md, 2026-11-27. Run: python benchmarks/scripts/verify_profile.py 1,16"""
+"""Per-kernel profile of the compiled verify of SmolLM2-135M after 256 tokens, at the given lengths (inductor's kernel
+profiling on), in the given dtype and quantization. benchmarks/README.md, 2026-11-27 (fp32) and 2026-11-28 (bf16,
+int8 x bf16). Run: python benchmarks/scripts/verify_profile.py 1,16 [float32|bfloat16] [int8]"""
 import sys, time, torch
 import flashdraft.compiled as C
 from flashdraft.target import load_target
@@ -7,11 +8,13 @@ from flashdraft.model import DFlashDraftModel
 from flashdraft.measure import static_decoder, median_seconds
 torch._inductor.config.cpp.enable_kernel_profile = True
 torch.set_num_threads(2)
-t = load_target("smollm2-135m-instruct", dtype="float32", device="cpu")
+dtype = sys.argv[2] if len(sys.argv) > 2 else "float32"
+quantize = sys.argv[3] if len(sys.argv) > 3 else None
+t = load_target("smollm2-135m-instruct", dtype=dtype, device="cpu", quantize=quantize, compiled=True)
 print(C.compile_verify(t))
 d = DFlashDraftModel.from_pretrained("drafters/smollm2-135m-instruct").eval()
 ids = torch.randint(100, 20000, (1, 300))
-eng = static_decoder(t, d, ids[:, :256], dtype="float32")
+eng = static_decoder(t, d, ids[:, :256], dtype=dtype)
 c = 256
 for n in [int(x) for x in sys.argv[1].split(",")]:
     def verify():

@@ -8,9 +8,9 @@ position inside a graph) and gives it torch.compile's options for its device:
          compiled step's dynamo cache lookup took 243 us, a tenth of a 2.5 ms verify).
     CPU  inductor's C++ kernels with the weights frozen into the graph (`freezing`: constants), every
          linear through inductor's own C++ GEMM template (`max_autotune_gemm` with the `CPP` backend, ATen's GEMM
-         where it has none: bf16 on a CPU without bf16 instructions; `one_gemm_choice`; int8 weights with fp32
-         activations too, `_register_fp32_int8_micro_gemm`, the int8 layers of one input as one GEMM,
-         `_register_int8_concat_linear`), and dynamo's
+         where it has none: bf16 on a CPU without bf16 instructions; `one_gemm_choice`; its micro-kernels as
+         cpu_gemm.py registers them: bf16 pairs by `vdpbf16ps`, int8 weights with fp32 activations; the int8
+         layers of one input as one GEMM, `_register_int8_concat_linear`), and dynamo's
          guards on the model's modules skipped (the target is frozen; checking its ~2,000 module guards cost 1.5 ms
          a step, and keeping only those on which module it is still 1 ms). `freezing` must also be set while dynamo traces
          (`compile_whole`): given through torch.compile's options alone it froze nothing (the engine's graphs ran
@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from .cpu_gemm import register_cpu_gemm_kernels
 from .kv_cache import static_refusal, symbolic_sizes
 from .target import TargetError
 
@@ -160,8 +161,7 @@ def compile_whole(fn: Any, compile_options: dict[str, Any], weights: Any = None)
     from torch._inductor import config as inductor_config
 
     _register_one_gemm_choice()
-    _register_fp32_int8_micro_gemm()
-    _register_bf16_four_row_micro_gemm()
+    register_cpu_gemm_kernels()
     _register_int8_concat_linear()
     _no_onednn_prepack()
     unrecorded = _unrecorded_cache_artifacts()
@@ -204,12 +204,16 @@ def _unrecorded_cache_artifacts() -> Any:
 
 
 def kernels_tag() -> str:
-    """A hash of this file: the kernel choices made here (register blocks, GEMM choices), which the graphs frozen in
-    inductor's cache and the cost model's prices depend on."""
+    """A hash of this file and of cpu_gemm.py: the kernels chosen or written there (GEMM choices, register blocks,
+    micro-kernels), which the graphs frozen in inductor's cache and the cost model's prices depend on."""
     import hashlib
     from pathlib import Path
 
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:8]
+    digest = hashlib.sha256()
+    for name in ("compiled.py", "cpu_gemm.py"):
+        digest.update((Path(__file__).parent / name).read_bytes())
+    digest.update(repr(sorted(getattr(register_cpu_gemm_kernels, "without", ()))).encode())  # a benchmark's
+    return digest.hexdigest()[:8]
 
 
 def frozen_cache_tag(weights: Any) -> str:
@@ -264,72 +268,6 @@ def _no_onednn_prepack() -> None:
         init()
     finally:
         torch._C._set_mkldnn_enabled(enabled)
-
-
-def _register_fp32_int8_micro_gemm() -> None:
-    """Once per process, before any frozen graph: inductor's C++ GEMM template may multiply fp32 rows by int8
-    weights (`--quantize int8 --dtype float32`: `aten._weight_int8pack_mm`, the scales its epilogue). Its fp32
-    micro-kernel already converts int8 weights to fp32 as it loads them (the path its bf16 x int8 kernels use), but
-    torch 2.13 lists no fp32 x int8 configuration, so inductor fell back to ATen's kernel: on a 2-core AMD EPYC
-    (avx2) SmolLM2's LM head and 30 MLP projections at one row took 30 ms through ATen and 3.6 ms through the
-    template (4 rows: 164 against 4.7 ms), where fp32 weights take 9.3. The configurations added are the fp32 ones'
-    register blockings with int8 weights, for avx2 and avx512; each row is still summed alone, in the same order at
-    any row count (`tests/test_quantize.py`)."""
-    if getattr(_register_fp32_int8_micro_gemm, "done", False):
-        return
-    _register_fp32_int8_micro_gemm.done = True
-    try:
-        import torch._inductor.lowering  # noqa: F401 - before codegen: inductor's modules import in this order
-        from torch._inductor.codegen import cpp_micro_gemm as micro
-        from torch._inductor.cpu_vec_isa import VecAVX2, VecAVX512
-
-        configs = micro.micro_gemm_configs[micro.CppMicroGemmFP32Vec]
-    except (ImportError, AttributeError, KeyError):  # another torch: ATen's kernel, as before
-        return
-    for isa, blockings in (
-        (VecAVX512, [(8, 48, 1), (8, 32, 1), (16, 16, 1)]),
-        (VecAVX2, [(4, 24, 1), (4, 16, 1), (8, 8, 1)]),
-    ):
-        configs += micro.generate_gemm_config(
-            isa,
-            blockings,
-            input_dtype=torch.float32,
-            input2_dtype=torch.int8,
-            output_dtype=torch.float32,
-            compute_dtype=torch.float32,
-        )
-
-
-def _register_bf16_four_row_micro_gemm() -> None:
-    """Once per process, before any frozen graph: the C++ GEMM template's bf16 register block on avx512 is 4 x 48,
-    not inductor's 8 x 48 (or 8 x 32, 16 x 16). The template takes one block for every row count, and compiled by
-    g++ 12 its 5- to 8-row kernels spill their 24 accumulators to the stack at every step of k: on a 2-core AMD EPYC
-    (avx512_bf16, no AMX) SmolLM2's 30 MLP up-projections at 8 / 16 rows took 14.8 / 28.8 ms against 6.0 / 10.8 ms
-    with 4 x 48 blocks, the same 2.8-3.0 ms at 4 rows, and a verify past 4 tokens cost about 7 ms a token. Each
-    output is the same FMA sequence over k whatever the block, so rows keep their bits (and the bits they had with
-    8 x 48 blocks) at any row count (benchmarks/README.md, 2026-11-28). AMX's kernels are another class: untouched."""
-    if getattr(_register_bf16_four_row_micro_gemm, "done", False):
-        return
-    _register_bf16_four_row_micro_gemm.done = True
-    try:
-        import torch._inductor.lowering  # noqa: F401 - before codegen: inductor's modules import in this order
-        from torch._inductor.codegen import cpp_micro_gemm as micro
-        from torch._inductor.cpu_vec_isa import VecAVX512
-
-        configs = micro.micro_gemm_configs[micro.CppMicroGemmFP32Vec]
-    except (ImportError, AttributeError, KeyError):  # another torch: its own blocks, as before
-        return
-
-    def bf16_avx512(c: Any) -> bool:
-        return (
-            c.vec_isa_cls is VecAVX512
-            and c.input_dtype == torch.bfloat16
-            and getattr(c, "input2_dtype", c.input_dtype) == torch.bfloat16
-        )
-
-    configs[:] = [c for c in configs if not bf16_avx512(c)] + micro.generate_gemm_config(
-        VecAVX512, [(4, 48, 1)], input_dtype=torch.bfloat16, output_dtype=torch.float32
-    )
 
 
 def _register_int8_concat_linear() -> None:

@@ -1,0 +1,279 @@
+"""The register-level kernels of inductor's C++ GEMM template that the frozen CPU graphs (compiled.compile_whole) run.
+
+inductor compiles every linear of a frozen CPU graph into its GEMM template: blocks of the weight packed once at
+compile time, a loop over cache blocks, and at its core a *micro-kernel* that multiplies a few rows by a few dozen
+columns in registers. inductor chooses that micro-kernel from a table of configurations (ISA, dtypes, register
+block). `register_cpu_gemm_kernels` edits the table, once per process, before the first frozen graph:
+
+    fp32 rows x int8 weights   inductor's fp32 kernel with int8 weights (`--quantize int8 --dtype float32`), which
+                               torch 2.13 lists for bf16 rows only
+    bf16 x bf16 or int8,       `Bf16DotMicroGemm` below: `vdpbf16ps`, two products per fp32 lane and instruction,
+    avx512_bf16                the weight packed in pairs of k (inductor's VNNI2 layout, as for AMX); int8
+                               weights made bf16 (exactly) as they are loaded, their scales the template's epilogue
+    bf16 x bf16, avx512 only   inductor's widening fp32 kernel with 4 x 48 register blocks
+
+Every kernel here sums each output along k in one order, in one register lane, whatever the register block and
+whatever the number of rows in the call, so a row keeps its bits at any verify length (batch invariance: the
+verify of n tokens gives each the bits of the one-token step). `tests/test_static_cache.py` and
+`tests/test_quantize.py` hold them to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# The pair kernel's register block: 8 rows x 48 columns (24 fp32 accumulators, 3 weight vectors and a broadcast row
+# of avx512's 32 registers); the widening kernel's 4 x 48. On a Zen 4 EPYC, SmolLM2's decoder linears at 8 / 16 rows:
+# bf16 7.3 / 10.6 ms against 8.2 / 11.4 with 4 x 48 blocks, int8 5.8 / 9.9 against 8.3 / 14.4, one row alike
+# (benchmarks/scripts/gemm_rows_bf16.py, benchmarks/README.md 2026-11-28).
+PAIR_BLOCK = (8, 48, 2)
+BF16_WIDENING_BLOCK = (4, 48, 1)
+
+
+def register_cpu_gemm_kernels(without: frozenset[str] = frozenset()) -> None:
+    """Once per process: the table edits above, but those named in `without` ("fp32-int8", "bf16-pairs",
+    "bf16-four-rows": benchmarks compare with inductor's own). On another torch (no such table) nothing changes."""
+    if getattr(register_cpu_gemm_kernels, "done", False):
+        return
+    register_cpu_gemm_kernels.done = True
+    register_cpu_gemm_kernels.without = without  # in compiled.kernels_tag: the graphs cached under it
+    try:
+        import torch._inductor.lowering  # noqa: F401 - before codegen: inductor's modules import in this order
+        from torch._inductor.codegen import cpp_micro_gemm as micro
+        from torch._inductor.cpu_vec_isa import VecAVX2, VecAVX512
+
+        configs = micro.micro_gemm_configs[micro.CppMicroGemmFP32Vec]
+    except (ImportError, AttributeError, KeyError):
+        return
+    if "fp32-int8" not in without:
+        _fp32_int8(micro, configs, VecAVX2, VecAVX512)
+    if "bf16-four-rows" not in without:
+        _bf16_widening_four_rows(micro, configs, VecAVX512, pairs="bf16-pairs" not in without)
+    if "bf16-pairs" not in without:
+        _bf16_pairs(micro, configs, VecAVX512)
+
+
+def _fp32_int8(micro: Any, configs: list[Any], avx2: type, avx512: type) -> None:
+    """inductor's C++ GEMM template may multiply fp32 rows by int8 weights (`aten._weight_int8pack_mm`, the scales
+    its epilogue). Its fp32 micro-kernel already converts int8 weights to fp32 as it loads them (the path its bf16 x
+    int8 kernels use), but torch 2.13 lists no fp32 x int8 configuration, so inductor fell back to ATen's kernel: on
+    a 2-core AMD EPYC (avx2) SmolLM2's LM head and 30 MLP projections at one row took 30 ms through ATen and 3.6 ms
+    through the template (4 rows: 164 against 4.7 ms), where fp32 weights take 9.3. The configurations added are the
+    fp32 ones' register blockings with int8 weights."""
+    for isa, blockings in (
+        (avx512, [(8, 48, 1), (8, 32, 1), (16, 16, 1)]),
+        (avx2, [(4, 24, 1), (4, 16, 1), (8, 8, 1)]),
+    ):
+        configs += micro.generate_gemm_config(
+            isa,
+            blockings,
+            input_dtype=torch.float32,
+            input2_dtype=torch.int8,
+            output_dtype=torch.float32,
+            compute_dtype=torch.float32,
+        )
+
+
+def _bf16_widening_four_rows(micro: Any, configs: list[Any], avx512: type, pairs: bool) -> None:
+    """Where avx512 has no bf16 instructions, inductor's widening kernel (bf16 loaded, converted to fp32, FMA) with
+    a 4 x 48 register block, not 8 x 48 (or 8 x 32, 16 x 16). The template takes one block for every row count, and
+    compiled by g++ 12 its 5- to 8-row kernels spill their 24 accumulators to the stack at every step of k: on a
+    2-core AMD EPYC SmolLM2's 30 MLP up-projections at 8 / 16 rows took 14.8 / 28.8 ms against 6.0 / 10.8 ms with
+    4 x 48 blocks. Where the pair kernel serves (`pairs`), this one does not. AMX's kernels are another class:
+    untouched."""
+
+    def bf16_avx512(c: Any) -> bool:
+        return (
+            c.vec_isa_cls is avx512
+            and c.input_dtype == torch.bfloat16
+            and getattr(c, "input2_dtype", c.input_dtype) == torch.bfloat16
+        )
+
+    def no_pair_instruction(config: Any, m: Any, n: Any, k: Any, alpha: Any, num_threads: Any, **kwargs: Any):
+        return not (pairs and _pairs_apply(config, k, alpha, kwargs.get("vec_isa")))
+
+    configs[:] = [c for c in configs if not bf16_avx512(c)] + micro.generate_gemm_config(
+        avx512,
+        [BF16_WIDENING_BLOCK],
+        input_dtype=torch.bfloat16,
+        output_dtype=torch.float32,
+        extra_check=no_pair_instruction,
+    )
+
+
+def _pairs_apply(config: Any, k: Any, alpha: Any, vec_isa: Any) -> bool:
+    """The pair kernel serves a bf16 GEMM where the CPU has avx512_bf16, k is even and nothing scales the product."""
+    supported = getattr(vec_isa, "is_avx512_bf16_supported", None)
+    return bool(supported is not None and supported()) and int(k) % 2 == 0 and alpha == 1
+
+
+def _bf16_pairs(micro: Any, configs: list[Any], avx512: type) -> None:
+    """`Bf16DotMicroGemm` in inductor's table, for bf16 rows x bf16 or int8 weights -> fp32 where `_pairs_apply`;
+    inductor's own bf16 x int8 kernels on avx512 step aside there. Those were two kernels chosen by the number of
+    rows (a 4 x 32 block summing k in blocks of 64 below 16 rows), so a row's bits changed with the verify's length
+    (7 of 16 outputs of `--quantize int8 --compile` parted from plain decoding, benchmarks/README.md 2026-11-27)."""
+    import dataclasses
+
+    def check(config: Any, m: Any, n: Any, k: Any, alpha: Any, num_threads: Any, **kwargs: Any) -> bool:
+        return _pairs_apply(config, k, alpha, kwargs.get("vec_isa"))
+
+    def aside(own: Any) -> Any:
+        def check(config: Any, m: Any, n: Any, k: Any, alpha: Any, num_threads: Any, **kwargs: Any) -> bool:
+            if _pairs_apply(config, k, alpha, kwargs.get("vec_isa")):
+                return False
+            return own is None or own(config, m, n, k, alpha, num_threads, **kwargs)
+
+        return check
+
+    configs[:] = [
+        dataclasses.replace(c, extra_check=aside(c.extra_check))
+        if c.vec_isa_cls is avx512 and c.input_dtype == torch.bfloat16 and c.input2_dtype == torch.int8
+        else c
+        for c in configs
+    ]
+
+    cls = _bf16_dot_class(micro)
+    micro.micro_gemm_configs.pop(cls, None)
+    micro.register_micro_gemm(
+        *[
+            config
+            for weights in (torch.bfloat16, torch.int8)
+            for config in micro.generate_gemm_config(
+                avx512,
+                [PAIR_BLOCK],
+                input_dtype=torch.bfloat16,
+                input2_dtype=weights,
+                output_dtype=torch.float32,
+                compute_dtype=torch.float32,
+                extra_check=check,
+            )
+        ]
+    )(cls)
+
+
+def _bf16_dot_class(micro: Any) -> type:
+    """The class is made here, from inductor's module, because its base class is inductor's (a private API)."""
+
+    class Bf16DotMicroGemm(micro.CppMicroGemm):
+        """C (fp32) = / += A (bf16, rows x k) @ B (bf16 or int8, k x n) with `vdpbf16ps` (avx512_bf16): each
+        instruction adds two products, a[k] b[k] and a[k+1] b[k+1], to each of 16 fp32 lanes, so B is read in pairs
+        of k (inductor's VNNI2 layout: for each pair of k, the n columns' two values side by side, packed at compile
+        time; a B that is not a frozen weight is packed here, per call). inductor's own bf16 kernel converts every
+        weight to fp32 and multiplies by FMA: twice the instructions, and past 4 rows compute-bound on a Zen 4 (a
+        verify of 8 / 16 tokens 1.9 / 3.0 one-token steps, benchmarks/README.md 2026-11-28). int8 weights are made
+        bf16 as they are loaded, once for all the block's rows (every int8 value is a bf16).
+
+        An output's sum runs over k in pairs, in order, in one lane, from C when accumulating (the template's later
+        k blocks), so its bits depend on neither the register block nor the rows beside it."""
+
+        TEMPLATE_KERNEL = r"""
+template <int64_t BLOCK_M, int64_t BLOCK_N, bool accum>
+inline void {{kernel_name}}_kernel(
+    const {{input_t}}* {{restrict_keyword}} A,
+    const {{input2_t}}* {{restrict_keyword}} B,
+    {{output_t}}* {{restrict_keyword}} C,
+    int64_t K,
+    int64_t lda,
+    int64_t ldb,
+    int64_t ldc
+) {
+    constexpr int COLS = BLOCK_N / 16;
+    __m512 vc[BLOCK_M * COLS];
+    __m512i vb[COLS];
+    __m512i va;
+    c10::ForcedUnroll<BLOCK_M * COLS>{}([&](auto i) {
+        constexpr int row = i / COLS;
+        constexpr int col = i % COLS;
+        if constexpr (accum) {
+            vc[i] = _mm512_loadu_ps(C + row * ldc + col * 16);
+        } else {
+            vc[i] = _mm512_setzero_ps();
+        }
+    });
+    // B in pairs of k: the pair (k, k + 1) of column n at B + k * ldb + 2 * n
+    auto step = [&](auto i, int64_t k) {
+        constexpr int row = i / COLS;
+        constexpr int col = i % COLS;
+        if constexpr (col == 0) {
+            int32_t pair;
+            std::memcpy(&pair, A + row * lda + k, sizeof(pair));
+            va = _mm512_set1_epi32(pair);
+        }
+        if constexpr (row == 0) {
+{%- if input2_dtype == torch.int8 %}
+            // 32 int8 weights (16 columns' pairs), each exactly a bf16: sign-extended, to fp32, to bf16
+            const __m256i b8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B + k * ldb + col * 32));
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b8)));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b8, 1)));
+            vb[col] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+{%- else %}
+            vb[col] = _mm512_loadu_si512(reinterpret_cast<const void*>(B + k * ldb + col * 32));
+{%- endif %}
+        }
+        vc[i] = _mm512_dpbf16_ps(vc[i], (__m512bh)va, (__m512bh)vb[col]);
+    };
+    for (int64_t k = 0; k < K; k += 2) {
+        c10::ForcedUnroll<BLOCK_M * COLS>{}(step, k);
+    }
+    c10::ForcedUnroll<BLOCK_M * COLS>{}([&](auto i) {
+        constexpr int row = i / COLS;
+        constexpr int col = i % COLS;
+        _mm512_storeu_ps(C + row * ldc + col * 16, vc[i]);
+    });
+}
+"""
+
+        TEMPLATE_ENTRY = r"""
+{{declare_kernel}} {
+    {{kernel.assert_function}}(N % {{block_n}} == 0, "N must be a multiple of {{block_n}}");
+    {{kernel.assert_function}}(K % 2 == 0, "K must be even");
+{%- if pack_vnni_B_locally %}
+    // B as given ([K, N], ldb): into pairs of k
+    {{template.codegen_allocate_weight_buffer("pairs_B", input2_t, "K * N")}}
+    for (int64_t k = 0; k < K; k += 2) {
+        for (int64_t n = 0; n < N; ++n) {
+            pairs_B[k * N + 2 * n] = B[k * ldb + n];
+            pairs_B[k * N + 2 * n + 1] = B[(k + 1) * ldb + n];
+        }
+    }
+    const {{input2_t}}* b_pairs = pairs_B;
+    const int64_t ldb_pairs = N;
+{%- else %}
+    const {{input2_t}}* b_pairs = B;
+    const int64_t ldb_pairs = ldb;
+{%- endif %}
+    for (int64_t m = 0; m < M; m += {{block_m}}) {
+        const int64_t rows = std::min<int64_t>(M - m, {{block_m}});
+        for (int64_t n = 0; n < N; n += {{block_n}}) {
+            switch (rows) {
+{%- for b in range(block_m, 0, -1) %}
+            case {{b}}:
+                {{kernel_name}}_kernel<{{b}}, {{block_n}}, accum>(
+                    A + m * lda, b_pairs + 2 * n, C + m * ldc + n, K, lda, ldb_pairs, ldc);
+                break;
+{%- endfor %}
+            default:
+                {{kernel.assert_function}}(false, "unsupported row count");
+            }
+        }
+    }
+}
+"""
+
+        def codegen_define(self, kernel: Any) -> str:
+            options = {
+                "declare_kernel": self.get_kernel_declaration(),
+                "kernel": kernel,
+                "block_m": self.register_blocking.block_m,
+                "block_n": self.register_blocking.block_n,
+                **self.get_common_options(),
+            }
+            render = micro.KernelTemplate._template_from_string
+            return render(self.TEMPLATE_KERNEL).render(options) + render(self.TEMPLATE_ENTRY).render(options)
+
+        def get_b_layout(self) -> Any:
+            return micro.LayoutType.VNNI2
+
+    return Bf16DotMicroGemm
