@@ -14,8 +14,8 @@ block). `register_cpu_gemm_kernels` edits the table, once per process, before th
 
 Every kernel here sums each output along k in one order, in one register lane, whatever the register block and
 whatever the number of rows in the call, so a row keeps its bits at any verify length (batch invariance: the
-verify of n tokens gives each the bits of the one-token step). `tests/test_static_cache.py` and
-`tests/test_quantize.py` hold them to it.
+verify of n tokens gives each the bits of the one-token step). `tests/test_cpu_gemm.py`, `tests/test_static_cache.py`
+and `tests/test_quantize.py` hold them to it.
 """
 
 from __future__ import annotations
@@ -85,57 +85,49 @@ def _bf16_widening_four_rows(micro: Any, configs: list[Any], avx512: type, pairs
     untouched."""
 
     def bf16_avx512(c: Any) -> bool:
-        return (
-            c.vec_isa_cls is avx512
-            and c.input_dtype == torch.bfloat16
-            and getattr(c, "input2_dtype", c.input_dtype) == torch.bfloat16
-        )
-
-    def no_pair_instruction(config: Any, m: Any, n: Any, k: Any, alpha: Any, num_threads: Any, **kwargs: Any):
-        return not (pairs and _pairs_apply(config, k, alpha, kwargs.get("vec_isa")))
+        return c.vec_isa_cls is avx512 and c.input_dtype == c.input2_dtype == torch.bfloat16
 
     configs[:] = [c for c in configs if not bf16_avx512(c)] + micro.generate_gemm_config(
         avx512,
         [BF16_WIDENING_BLOCK],
         input_dtype=torch.bfloat16,
         output_dtype=torch.float32,
-        extra_check=no_pair_instruction,
+        extra_check=_unless_pairs(None) if pairs else None,
     )
 
 
-def _pairs_apply(config: Any, k: Any, alpha: Any, vec_isa: Any) -> bool:
-    """The pair kernel serves a bf16 GEMM where the CPU has avx512_bf16, k is even and nothing scales the product."""
-    supported = getattr(vec_isa, "is_avx512_bf16_supported", None)
+def _pairs_serve(config: Any, m: Any, n: Any, k: Any, alpha: Any, num_threads: Any, **kwargs: Any) -> bool:
+    """The pair kernel's `extra_check`: it serves a bf16 GEMM where the CPU has avx512_bf16, k is even and nothing
+    scales the product."""
+    supported = getattr(kwargs.get("vec_isa"), "is_avx512_bf16_supported", None)
     return bool(supported is not None and supported()) and int(k) % 2 == 0 and alpha == 1
 
 
+def _unless_pairs(own: Any) -> Any:
+    """An `extra_check` that refuses where the pair kernel serves, else defers to `own` (None: accepts)."""
+
+    def check(config: Any, m: Any, n: Any, k: Any, alpha: Any, num_threads: Any, **kwargs: Any) -> bool:
+        if _pairs_serve(config, m, n, k, alpha, num_threads, **kwargs):
+            return False
+        return own is None or own(config, m, n, k, alpha, num_threads, **kwargs)
+
+    return check
+
+
 def _bf16_pairs(micro: Any, configs: list[Any], avx512: type) -> None:
-    """`Bf16DotMicroGemm` in inductor's table, for bf16 rows x bf16 or int8 weights -> fp32 where `_pairs_apply`;
+    """`Bf16DotMicroGemm` in inductor's table, for bf16 rows x bf16 or int8 weights -> fp32 where `_pairs_serve`;
     inductor's own bf16 x int8 kernels on avx512 step aside there. Those were two kernels chosen by the number of
     rows (a 4 x 32 block summing k in blocks of 64 below 16 rows), so a row's bits changed with the verify's length
     (7 of 16 outputs of `--quantize int8 --compile` parted from plain decoding, benchmarks/README.md 2026-11-27)."""
     import dataclasses
 
-    def check(config: Any, m: Any, n: Any, k: Any, alpha: Any, num_threads: Any, **kwargs: Any) -> bool:
-        return _pairs_apply(config, k, alpha, kwargs.get("vec_isa"))
-
-    def aside(own: Any) -> Any:
-        def check(config: Any, m: Any, n: Any, k: Any, alpha: Any, num_threads: Any, **kwargs: Any) -> bool:
-            if _pairs_apply(config, k, alpha, kwargs.get("vec_isa")):
-                return False
-            return own is None or own(config, m, n, k, alpha, num_threads, **kwargs)
-
-        return check
-
     configs[:] = [
-        dataclasses.replace(c, extra_check=aside(c.extra_check))
+        dataclasses.replace(c, extra_check=_unless_pairs(c.extra_check))
         if c.vec_isa_cls is avx512 and c.input_dtype == torch.bfloat16 and c.input2_dtype == torch.int8
         else c
         for c in configs
     ]
 
-    cls = _bf16_dot_class(micro)
-    micro.micro_gemm_configs.pop(cls, None)
     micro.register_micro_gemm(
         *[
             config
@@ -147,10 +139,10 @@ def _bf16_pairs(micro: Any, configs: list[Any], avx512: type) -> None:
                 input2_dtype=weights,
                 output_dtype=torch.float32,
                 compute_dtype=torch.float32,
-                extra_check=check,
+                extra_check=_pairs_serve,
             )
         ]
-    )(cls)
+    )(_bf16_dot_class(micro))
 
 
 def _bf16_dot_class(micro: Any) -> type:
