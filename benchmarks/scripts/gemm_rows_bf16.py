@@ -51,7 +51,6 @@ if int8:
         for name in list(layer):
             layer[name] = Int8Linear(layer[name].float(), torch.bfloat16)
 fn = C.compile_whole(model, C.compile_options(torch.device("cpu")), weights=model)
-ms = {}
 inputs = {rows: torch.randn(1, rows, 576).bfloat16() for rows in (1, 4, 8, 16)}
 times: dict[int, list[float]] = {rows: [] for rows in inputs}
 with torch.no_grad():
