@@ -374,21 +374,45 @@ def test_hybrid_targets_verify_chains_and_stay_exact():
     assert got.proposer_stats["tree_steps"] == 0
 
 
-def test_the_compiled_cpu_path_in_bf16_verifies_chains():
-    """Compiled on a CPU in bf16 a chain's verify keeps a one-token step's bits and a tree's is not shown to: chains
-    there (the refusal is what the proposer and `--verbose` report); eager bf16 and compiled fp32 keep trees."""
+def _tree_exact_cpu() -> bool:
+    return torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported()
+
+
+def test_the_compiled_cpu_path_in_reduced_precision_verifies_trees_only_where_they_are_exact():
+    """Compiled on a CPU in bf16, trees where cpu_attention's kernel and the pair GEMM kernel (avx512_bf16) keep a
+    node's bits (the next test); chains elsewhere, and in fp16 (the refusal is what the proposer and `--verbose`
+    report). Eager bf16 and compiled fp32 keep trees."""
     from flashdraft.compiled import compile_options
     from flashdraft.tree import tree_refusal
 
     bf16 = Target(tiny_model("llama").to(torch.bfloat16))
     assert tree_refusal(bf16) is None
     bf16.compile_options = compile_options(bf16.device)  # what compiled.compile_verify sets
-    assert "compiled CPU path" in tree_refusal(bf16)
     proposer = BatchedDFlashProposer(drafter(bf16.config).to(torch.bfloat16), bf16, block_size=5, tree=8)
-    assert proposer.tree is None and "compiled" in proposer.tree_note
+    if _tree_exact_cpu():
+        assert tree_refusal(bf16) is None and proposer.tree is not None
+    else:
+        assert "compiled CPU path" in tree_refusal(bf16)
+        assert proposer.tree is None and "compiled" in proposer.tree_note
+    fp16 = Target(tiny_model("llama").to(torch.float16))
+    fp16.compile_options = compile_options(fp16.device)
+    assert "compiled CPU path" in tree_refusal(fp16)
     fp32 = Target(tiny_model("llama"))
     fp32.compile_options = compile_options(fp32.device)
     assert tree_refusal(fp32) is None
+
+
+@pytest.mark.skipif(not _tree_exact_cpu(), reason="exact bf16 trees need avx512_bf16 (the pair GEMM kernel)")
+def test_oracle_trees_decode_as_plain_compiled_in_bf16():
+    """The compiled bf16 CPU path (frozen graphs, cpu_attention's kernel over a mask as narrow as the columns in
+    use): random trees, rows joining and leaving, greedy and seeded sampling, every output equal to the same
+    compiled target's plain decoding, bit for bit (a node's logits are its path's)."""
+    from flashdraft.compiled import compile_verify
+
+    target = Target(tiny_model("llama", seed=2, max_position_embeddings=512).to(torch.bfloat16))
+    assert compile_verify(target) is None
+    for temperature in (0.0, 0.8):
+        oracle_trees_decode_as_plain(target, "llama", True, temperature)
 
 
 def test_a_tree_past_a_sliding_window_is_refused_not_run():

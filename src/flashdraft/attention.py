@@ -37,10 +37,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import cpu_attention
+
 # Not "flashdraft": transformers takes every implementation whose name contains "flash" for flash attention
 # (`is_flash_attention_requested`), and refuses to build a model from such a config without a flash kernel.
 NAME = "short_query"
 SHORT_QUERY = 64  # queries up to this many tokens per row take the short-query path
+KERNEL_DTYPES = (torch.bfloat16,)  # dtypes whose short queries run cpu_attention's kernel (where it builds)
 _UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias")
 
 
@@ -77,6 +80,12 @@ def short_query_attention(
         return out.transpose(1, 2).contiguous(), None
     groups = heads // kv_heads
     scale = d**-0.5 if scaling is None else scaling
+    if _kernel_serves(module, query, attention_mask, n):
+        mask = None if attention_mask is None else _last_contiguous(attention_mask[..., :length])
+        out = cpu_attention.short_attention(
+            query, _last_contiguous(key), _last_contiguous(value), mask, scale
+        )
+        return out, None
     # [b, kv, g*n, d]: head h uses KV head h // groups (transformers' repeat_kv)
     scores = torch.matmul(query.reshape(b, kv_heads, groups * n, d), key.transpose(-1, -2))
     scores = scores.view(b, kv_heads, groups, n, length) * scale
@@ -97,17 +106,33 @@ def short_query_attention(
     return out.view(b, heads, n, value.shape[-1]).transpose(1, 2).contiguous(), None  # MLA: v heads narrower
 
 
+def _kernel_serves(module: torch.nn.Module, query: torch.Tensor, mask: torch.Tensor | None, n: int) -> bool:
+    """Whether cpu_attention's kernel (built for this dtype) takes the call: a mask it reads (bool or added in the
+    query's dtype, 4-D), or none with causal queries (or one query)."""
+    if query.device.type != "cpu" or not cpu_attention.ready(query.dtype) or query.dtype not in KERNEL_DTYPES:
+        return False
+    if mask is None:
+        return n == 1 or getattr(module, "is_causal", True)
+    return mask.dim() == 4 and mask.dtype in (torch.bool, query.dtype)
+
+
+def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def narrow_mask(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the engine gives `model` a static-cache mask narrower than the cache (the columns in use, rounded up
     to `kv_cache.MASK_STEP`), which this module's attention reads alone: its two products and the softmax scale
     with the columns they read (one query of SmolLM2-135M, its three KV heads: the first product took 18 / 33 / 61
     µs a layer at 256 / 512 / 1,024 columns, one thread, 2-core AMD EPYC), and a static capacity runs up to twice
     the columns in use.
-    On a CPU in fp32 only: the products' summation order follows the width, so a token's bits can change with it
-    (fp32's verify is not batch-invariant anyway: benchmarks/README.md), where bf16 keeps one width per capacity
-    for the bits it claims; and not on a GPU, where a fixed width is what a CUDA graph replays."""
+    On a CPU in fp32, whose products' summation order follows the width (a token's bits can change with it; fp32's
+    verify is not batch-invariant anyway: benchmarks/README.md), and in a dtype cpu_attention's kernel serves, whose
+    bits do not depend on the width; not in the other dtypes, which keep one width per capacity for the bits they
+    claim, and not on a GPU, where a fixed width is what a CUDA graph replays."""
     attention = getattr(model.config, "_attn_implementation", None)
-    return attention == NAME and device.type == "cpu" and dtype == torch.float32
+    kernel = dtype in KERNEL_DTYPES and cpu_attention.ready(dtype)
+    return attention == NAME and device.type == "cpu" and (dtype == torch.float32 or kernel)
 
 
 def register() -> None:
@@ -137,9 +162,12 @@ def wanted(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, com
     return device.type == "cpu" and (cpu_dtype or compiled) and attention in ("sdpa", NAME)
 
 
-def use(model: torch.nn.Module) -> None:
-    """Switch `model` (its sub-configs too) to the short-query attention."""
+def use(model: torch.nn.Module, dtype: torch.dtype | None = None) -> None:
+    """Switch `model` (its sub-configs too) to the short-query attention; in a `dtype` of KERNEL_DTYPES, build
+    cpu_attention's kernel for it now (before anything is traced)."""
     register()
+    if dtype in KERNEL_DTYPES:
+        cpu_attention.prepare(dtype)
     for config in _configs(model.config):
         if getattr(config, "_attn_implementation", None) == "sdpa":
             config._attn_implementation = NAME

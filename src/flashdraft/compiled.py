@@ -70,7 +70,7 @@ def compile_verify(target: Any) -> str | None:
     if attention.wanted(
         target.model, target.dtype, target.device, compiled=True
     ):  # before anything is traced
-        attention.use(target.model)
+        attention.use(target.model, target.dtype)
     return None
 
 
@@ -204,13 +204,14 @@ def _unrecorded_cache_artifacts() -> Any:
 
 
 def kernels_tag() -> str:
-    """A hash of this file and of cpu_gemm.py: the kernels chosen or written there (GEMM choices, register blocks,
-    micro-kernels), which the graphs frozen in inductor's cache and the cost model's prices depend on."""
+    """A hash of this file, cpu_gemm.py, attention.py and cpu_attention.py: the kernels chosen or written there (GEMM
+    choices, register blocks, micro-kernels, the attention), which the graphs frozen in inductor's cache and the cost
+    model's prices depend on."""
     import hashlib
     from pathlib import Path
 
     digest = hashlib.sha256()
-    for name in ("compiled.py", "cpu_gemm.py"):
+    for name in ("compiled.py", "cpu_gemm.py", "attention.py", "cpu_attention.py"):
         digest.update((Path(__file__).parent / name).read_bytes())
     digest.update(repr(sorted(getattr(register_cpu_gemm_kernels, "without", ()))).encode())  # a benchmark's
     return digest.hexdigest()[:8]

@@ -162,7 +162,7 @@ class Target:
 
         # bf16 on a CPU: short queries (decode steps, verifies) through attention.py's batch-invariant products
         if attention.wanted(model, self.dtype, self.device):
-            attention.use(model)
+            attention.use(model, self.dtype)
 
     def check_decodable(self) -> None:
         """Refuse, before anything is decoded, a target whose cache cannot be rolled back exactly (training, which

@@ -184,13 +184,26 @@ def tree_refusal(target: Any) -> str | None:
     if family not in TREE_FAMILIES:
         return f"a model family ({family}) trees are not verified on (they are: {', '.join(TREE_FAMILIES)})"
     compiled_cpu = getattr(target, "compile_options", None) is not None and target.device.type == "cpu"
-    if compiled_cpu and target.dtype in (torch.bfloat16, torch.float16):
-        # Its chains keep a one-token step's bits (tests/test_static_cache.py); a tree verify was not shown to, and
-        # in the bench 1 of 24 outputs with trees parted from plain decoding on a near-tie (benchmarks/README.md).
+    if compiled_cpu and target.dtype in (torch.bfloat16, torch.float16) and not _tree_invariant(target.dtype):
+        # Its chains keep a one-token step's bits (tests/test_static_cache.py); a tree verify is shown to only with
+        # cpu_attention's kernel and the pair GEMM kernel (tests/test_tree.py); before them, 1 of 24 bench outputs
+        # with trees parted from plain decoding on a near-tie (benchmarks/README.md).
         return (
             "the compiled CPU path in reduced precision (a tree's verify is not bit-exact there; chains are)"
         )
     return mask_refusal(target)
+
+
+def _tree_invariant(dtype: torch.dtype) -> bool:
+    """Whether the compiled CPU verify in `dtype` gives a tree's node the bits of its path's one-token steps: the
+    attention through cpu_attention's kernel (hidden columns add nothing, wherever they are), and the linears
+    through cpu_gemm's pair kernel (avx512_bf16; a row's bits whatever the rows beside it). On AMX CPUs inductor's
+    AMX kernel takes the linears and was not measured here."""
+    from . import attention, cpu_attention
+
+    kernel = dtype in attention.KERNEL_DTYPES and cpu_attention.ready(dtype)
+    pairs = torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported()
+    return kernel and pairs
 
 
 def tree_window(target: Any) -> int | None:

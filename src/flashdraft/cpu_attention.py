@@ -1,0 +1,384 @@
+"""One C++ kernel for a short query's whole attention on a CPU (scores, softmax, values), its bits independent of
+the mask's width, of the columns the mask hides and of the rows beside it.
+
+attention.py's short-query attention ran two oneDNN products around an inductor softmax: in bf16 on a 2-core AMD
+EPYC, SmolLM2-135M after 256 tokens, about 40 us per product and call, 2.4 ms of a 13 ms decode step for 60 calls,
+mostly the calls' own overhead. And it could not read only the columns in use in bf16 (`attention.narrow_mask`):
+oneDNN's order of summation over the columns follows their count, so a verify's token would not keep a one-token
+step's bits. `flashdraft::short_attention` (an operator inductor calls from its compiled graphs as it calls ATen's)
+does it in one pass per query row and head, with every reduction in a fixed order:
+
+    score_j = (q . k_j) * scale + mask_j     fp32, over the head dimension in vector lanes then one fixed tree
+    e_j     = exp(score_j - max)             fp32, element by element (masked columns skipped: max over the rest)
+    out     = (sum_j e_j v_j) / (sum_j e_j)  fp32, j in increasing order, one term at a time; rounded once
+
+A hidden column adds nothing (it is skipped), so a row's result is the same at any mask width, with or without the
+stale columns of rejected drafts in between, and whatever other rows are in the call: a verify of n tokens gives
+each the bits of the one-token step, and a draft tree's node (its ancestors earlier columns than it, siblings
+hidden) the bits it gets on its own path (tests/test_cpu_attention.py). Compiled with inductor's compiler, flags and
+vector ISA (`CppPythonBindingsCodeCache`, cached on disk as its kernels are) on first use per dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DTYPES = {torch.bfloat16: "at::BFloat16", torch.float16: "at::Half", torch.float32: "float"}
+MASK_NONE, MASK_BOOL, MASK_ADDED = (
+    0,
+    1,
+    2,
+)  # none (causal), bool (True sees), added to the scores (query's dtype)
+
+_SOURCE = r"""
+#include <torch/csrc/inductor/cpp_prefix.h>
+#include <c10/util/Unroll.h>
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+using T = @T@;
+
+namespace {
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t L = Vec::size();
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+inline Vec load(const float* p, int64_t count) { return Vec::loadu(p, count); }
+inline Vec load(const at::BFloat16* p, int64_t count) {
+  return at::vec::convert<float>(at::vec::Vectorized<at::BFloat16>::loadu(p, count));
+}
+inline Vec load(const at::Half* p, int64_t count) {
+  return at::vec::convert<float>(at::vec::Vectorized<at::Half>::loadu(p, count));
+}
+inline void store(float* p, const Vec& x, int64_t count) { x.store(p, count); }
+inline void store(at::BFloat16* p, const Vec& x, int64_t count) { at::vec::convert<at::BFloat16>(x).store(p, count); }
+inline void store(at::Half* p, const Vec& x, int64_t count) { at::vec::convert<at::Half>(x).store(p, count); }
+
+// Whether the query sees column j, and what its mask adds to the score.
+struct Causal {
+  int64_t last;
+  bool operator()(int64_t j, float& add) const { add = 0.f; return j <= last; }
+};
+struct Boolean {
+  const bool* row;
+  bool operator()(int64_t j, float& add) const { add = 0.f; return row[j]; }
+};
+struct Added {
+  const T* row;
+  bool operator()(int64_t j, float& add) const {
+    add = static_cast<float>(row[j]);
+    return add > static_cast<float>(std::numeric_limits<T>::lowest());
+  }
+};
+
+// One query row of one head, any head widths and vector ISA: each column's score, then the values' sum over the
+// columns in order (the general path; attend_rows below takes the usual widths on avx512).
+template <typename Sees>
+void attend_row(const T* q, const T* k, const T* v, T* out, const Sees& sees, int64_t width, int64_t d, int64_t dv,
+                int64_t k_col, int64_t v_col, float scale, float* qf, float* s, float* acc) {
+  for (int64_t c = 0; c < d; c += L) load(q + c, std::min(L, d - c)).store(qf + c);
+  float top = NEG_INF;
+  for (int64_t j = 0; j < width; ++j) {
+    float add;
+    if (!sees(j, add)) { s[j] = NEG_INF; continue; }
+    const T* kc = k + j * k_col;
+    Vec dot(0.f);
+    for (int64_t c = 0; c < d; c += L) dot = at::vec::fmadd(Vec::loadu(qf + c), load(kc + c, std::min(L, d - c)), dot);
+    const float x = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, dot) * scale + add;
+    s[j] = x;
+    top = std::max(top, x);
+  }
+  if (top == NEG_INF) {  // sees nothing (a padding row): zeros
+    for (int64_t c = 0; c < dv; c += L) store(out + c, Vec(0.f), std::min(L, dv - c));
+    return;
+  }
+  for (int64_t j = 0; j < width; j += L) {
+    const int64_t count = std::min(L, width - j);
+    (Vec::loadu(s + j, count) - Vec(top)).exp().store(s + j, count);
+  }
+  float total = 0.f;
+  std::fill(acc, acc + dv, 0.f);
+  for (int64_t j = 0; j < width; ++j) {
+    const float e = s[j];
+    if (e == 0.f) continue;  // hidden (or too small to count): adding it would add exact zeros
+    total += e;
+    const T* vc = v + j * v_col;
+    const Vec ev(e);
+    for (int64_t c = 0; c < dv; c += L) {
+      const int64_t count = std::min(L, dv - c);
+      at::vec::fmadd(ev, load(vc + c, count), Vec::loadu(acc + c, count)).store(acc + c, count);
+    }
+  }
+  const Vec inv(total);
+  for (int64_t c = 0; c < dv; c += L) {
+    const int64_t count = std::min(L, dv - c);
+    store(out + c, Vec::loadu(acc + c, count) / inv, count);
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// The sums of 16 vectors, vector p's in lane p. Every sum is taken in the order a horizontal sum of one vector
+// takes (lanes l and l^8, then l^4, l^2, l^1), whichever its vector's place among the 16.
+inline __m512 sum16(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int m = 0; m < 8; ++m)  // lanes l + l^8: [vector 2m | vector 2m+1], 8 lanes each
+    b[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0xEE));
+  for (int t = 0; t < 4; ++t)  // l^4: 128-bit block k holds vector 4t + k
+    c[t] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * t], b[2 * t + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * t], b[2 * t + 1], 0xDD));
+  for (int u = 0; u < 2; ++u) {  // l^2: block k holds vectors 8u + k, 8u + 4 + k
+    const __m512d x = _mm512_castps_pd(c[2 * u]), y = _mm512_castps_pd(c[2 * u + 1]);
+    d[u] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // l^1: block k holds vectors k, 4 + k, 8 + k, 12 + k; put back in order
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, e);
+}
+
+// The scores of 16 columns from j (count of them real): the mask's, -inf where hidden or past count.
+inline __mmask16 real(int64_t count) { return count >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1); }
+inline __m512 masked(const Causal& m, int64_t j, int64_t count, __m512 x) {
+  const int64_t seen = std::clamp<int64_t>(m.last - j + 1, 0, 16);
+  return _mm512_mask_blend_ps(real(std::min(count, seen)), _mm512_set1_ps(NEG_INF), x);
+}
+inline __m512 masked(const Boolean& m, int64_t j, int64_t count, __m512 x) {
+  const __m128i bytes = _mm_maskz_loadu_epi8(real(count), m.row + j);
+  return _mm512_mask_blend_ps(_mm_test_epi8_mask(bytes, bytes), _mm512_set1_ps(NEG_INF), x);
+}
+inline __m512 masked(const Added& m, int64_t j, int64_t count, __m512 x) {
+  const __m512 add = load(m.row + j, count);
+  const __mmask16 sees = _mm512_cmp_ps_mask(add, _mm512_set1_ps(static_cast<float>(std::numeric_limits<T>::lowest())), _CMP_GT_OQ);
+  return _mm512_mask_blend_ps(sees & real(count), _mm512_set1_ps(NEG_INF), _mm512_add_ps(x, add));
+}
+
+// Rows of one KV head's queries (up to QB) at once, sharing each key and value column; head dimensions of ND and
+// NV whole vectors. A row's arithmetic does not depend on the others in the block or on where its columns fall.
+template <int64_t ND, int64_t NV, int64_t QB, typename Sees>
+void attend_rows(const T* const* q, T* const* out, const Sees* sees, int64_t rows, const T* k, const T* v,
+                 int64_t width, int64_t k_col, int64_t v_col, float scale, float* s, int64_t s_row, float* kf) {
+  constexpr int64_t D = ND * L;
+  Vec qv[QB][ND];
+  for (int64_t r = 0; r < QB; ++r)
+    for (int64_t c = 0; c < ND; ++c) qv[r][c] = r < rows ? load(q[r] + c * L, L) : Vec(0.f);
+  for (int64_t j = 0; j < width; j += 16) {
+    const int64_t count = std::min<int64_t>(16, width - j);
+    for (int64_t x = 0; x < 16; ++x) {  // keys to fp32 (past count: the last column again, its score dropped)
+      const T* kc = k + (j + std::min(x, count - 1)) * k_col;
+      for (int64_t c = 0; c < ND; ++c) load(kc + c * L, L).store(kf + x * D + c * L);
+    }
+#pragma GCC unroll 4
+    for (int64_t r = 0; r < QB; ++r) {
+      if (r >= rows) break;
+      __m512 dots[16];
+#pragma GCC unroll 16
+      for (int64_t x = 0; x < 16; ++x) {
+        Vec dot(0.f);
+        for (int64_t c = 0; c < ND; ++c) dot = at::vec::fmadd(qv[r][c], Vec::loadu(kf + x * D + c * L), dot);
+        dots[x] = dot;
+      }
+      const __m512 x = _mm512_mul_ps(sum16(dots), _mm512_set1_ps(scale));
+      _mm512_storeu_ps(s + r * s_row + j, masked(sees[r], j, count, x));
+    }
+  }
+  float top[QB], total[QB];
+#pragma GCC unroll 4
+  for (int64_t r = 0; r < QB; ++r) {
+    total[r] = 0.f;
+    top[r] = NEG_INF;
+    if (r >= rows) continue;
+    float* sr = s + r * s_row;
+    // the row was stored 16 columns at a time, -inf past the last: whole vectors
+    Vec m(NEG_INF);
+    for (int64_t j = 0; j < width; j += L) m = at::vec::maximum(m, Vec::loadu(sr + j));
+    top[r] = _mm512_reduce_max_ps(m);
+    if (top[r] == NEG_INF) continue;
+    for (int64_t j = 0; j < width; j += L) (Vec::loadu(sr + j) - Vec(top[r])).exp().store(sr + j);
+  }
+  // Rows past `rows` or seeing nothing: no weight anywhere. A column no row weighs is skipped; one that some row
+  // weighs was written (values finite), so the rows with no weight on it add exact zeros.
+#pragma GCC unroll 4
+  for (int64_t r = 0; r < QB; ++r)
+    if (r >= rows || top[r] == NEG_INF) std::fill(s + r * s_row, s + r * s_row + width, 0.f);
+  __m512 acc[QB * NV];
+#pragma GCC unroll 32
+  for (int64_t i = 0; i < QB * NV; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < width; ++j) {
+    float e[QB];
+    bool any = false;
+#pragma GCC unroll 4
+    for (int64_t r = 0; r < QB; ++r) {
+      e[r] = s[r * s_row + j];
+      any |= e[r] != 0.f;
+    }
+    if (!any) continue;
+    const T* vc = v + j * v_col;
+    __m512 vv[NV];
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < NV; ++c) vv[c] = load(vc + c * L, L);
+#pragma GCC unroll 32
+    for (int64_t i = 0; i < QB * NV; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(e[i / NV]), vv[i % NV], acc[i]);
+#pragma GCC unroll 4
+    for (int64_t r = 0; r < QB; ++r) total[r] += e[r];
+  }
+  // (loops over the rows run to QB, unrolled: the accumulators stay in registers only if always indexed by constants)
+#pragma GCC unroll 4
+  for (int64_t r = 0; r < QB; ++r) {
+    if (r >= rows) break;
+    const __m512 inv = _mm512_set1_ps(total[r]);
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < NV; ++c)
+      store(out[r] + c * L, top[r] == NEG_INF ? Vec(0.f) : Vec(_mm512_div_ps(acc[r * NV + c], inv)), L);
+  }
+}
+#endif
+}  // namespace
+
+// query [b, heads, n, d], key [b, kv_heads, >= width, d], value [b, kv_heads, >= width, dv] (strides given, the
+// last one 1); mask [b, 1 | heads, n, width] (strides given, 0 where broadcast; the last one 1) or none (causal);
+// out [b, n, heads, dv] contiguous. A KV head's query rows are (query, head of the group) in that order; the work is
+// split into blocks of a KV head's rows.
+extern "C" void kernel(const T* q, const T* k, const T* v, const void* mask, T* out, int64_t batch, int64_t heads,
+                       int64_t kv_heads, int64_t n, int64_t width, int64_t d, int64_t dv, int64_t q_row,
+                       int64_t q_head, int64_t q_tok, int64_t k_row, int64_t k_head, int64_t k_col, int64_t v_row,
+                       int64_t v_head, int64_t v_col, int64_t mask_kind, int64_t m_row, int64_t m_head,
+                       int64_t m_tok, float scale) {
+  constexpr int64_t MAX_QB = 4;
+  const int64_t groups = heads / kv_heads, rows = n * groups;
+#if defined(CPU_CAPABILITY_AVX512)
+  const bool fast64 = d == 64 && dv == 64, fast128 = d == 128 && dv == 128;
+#else
+  const bool fast64 = false, fast128 = false;
+#endif
+  // rows per block: as many as the registers hold, fewer where that leaves a thread without work
+  int64_t qb = fast64 ? 4 : fast128 ? 2 : 1;
+  const int64_t threads = omp_get_max_threads();
+  while (qb > 1 && batch * kv_heads * ((rows + qb - 1) / qb) < 2 * threads) qb /= 2;
+  const int64_t blocks = (rows + qb - 1) / qb, units = batch * kv_heads * blocks;
+  const int64_t padded = ((std::max(d, dv) + L - 1) / L) * L, s_row = width + L;
+  const bool parallel = units > 1 && batch * kv_heads * rows * width * (d + dv) >= 65536;
+#pragma omp parallel if (parallel)
+  {
+    std::vector<float> qf(padded, 0.f), s(MAX_QB * s_row), acc(padded, 0.f), kf(16 * 128);
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < units; ++u) {
+      const int64_t blk = u % blocks, kh = (u / blocks) % kv_heads, r = u / (blocks * kv_heads);
+      const T* kr = k + r * k_row + kh * k_head;
+      const T* vr = v + r * v_row + kh * v_head;
+      const int64_t first = blk * qb, count = std::min(qb, rows - first);
+      const T* qs[MAX_QB];
+      T* os[MAX_QB];
+      int64_t m_at[MAX_QB];
+      for (int64_t x = 0; x < count; ++x) {
+        const int64_t i = (first + x) / groups, h = kh * groups + (first + x) % groups;
+        qs[x] = q + r * q_row + h * q_head + i * q_tok;
+        os[x] = out + ((r * n + i) * heads + h) * dv;
+        m_at[x] = r * m_row + h * m_head + i * m_tok;
+      }
+      auto run = [&](auto make) {
+        using Sees = decltype(make(0));
+        Sees sees[MAX_QB];
+        for (int64_t x = 0; x < count; ++x) sees[x] = make(x);
+#if defined(CPU_CAPABILITY_AVX512)
+        if (fast64 && qb == 4) attend_rows<4, 4, 4>(qs, os, sees, count, kr, vr, width, k_col, v_col, scale, s.data(), s_row, kf.data());
+        else if (fast64 && qb == 2) attend_rows<4, 4, 2>(qs, os, sees, count, kr, vr, width, k_col, v_col, scale, s.data(), s_row, kf.data());
+        else if (fast64) attend_rows<4, 4, 1>(qs, os, sees, count, kr, vr, width, k_col, v_col, scale, s.data(), s_row, kf.data());
+        else if (fast128 && qb == 2) attend_rows<8, 8, 2>(qs, os, sees, count, kr, vr, width, k_col, v_col, scale, s.data(), s_row, kf.data());
+        else if (fast128) attend_rows<8, 8, 1>(qs, os, sees, count, kr, vr, width, k_col, v_col, scale, s.data(), s_row, kf.data());
+        else
+#endif
+        attend_row(qs[0], kr, vr, os[0], sees[0], width, d, dv, k_col, v_col, scale, qf.data(), s.data(), acc.data());
+      };
+      const int64_t last = width - n;
+      if (mask_kind == 1) run([&](int64_t x) { return Boolean{static_cast<const bool*>(mask) + m_at[x]}; });
+      else if (mask_kind == 2) run([&](int64_t x) { return Added{static_cast<const T*>(mask) + m_at[x]}; });
+      else run([&](int64_t x) { return Causal{last + (first + x) / groups}; });
+    }
+  }
+}
+"""
+
+_ARGTYPES = ["const T*"] * 3 + ["const void*", "T*"] + ["int64_t"] * 20 + ["float"]
+_kernels: dict[torch.dtype, Callable[..., None] | None] = {}
+
+
+def prepare(dtype: torch.dtype) -> bool:
+    """Build (or load from inductor's cache) the kernel for `dtype`, outside any graph being traced; False where it
+    cannot be (no C++ compiler, another torch): attention.py then keeps its two products."""
+    if dtype not in _kernels:
+        _kernels[dtype] = None
+        if dtype in DTYPES:
+            try:
+                from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+                cpp = DTYPES[dtype]
+                source = _SOURCE.replace("@T@", cpp)
+                argtypes = [a.replace("T*", f"{cpp}*") for a in _ARGTYPES]
+                _kernels[dtype] = CppPythonBindingsCodeCache.load_pybinding(
+                    argtypes, source, device_type="cpu", needs_vec_isa=True
+                )
+            except Exception as err:  # noqa: BLE001 - any build failure means: the products, as before
+                log.warning(
+                    "flashdraft: the CPU attention kernel for %s did not build (%s); using two products",
+                    dtype,
+                    str(err).splitlines()[0] if str(err) else type(err).__name__,
+                )
+    return _kernels[dtype] is not None
+
+
+def ready(dtype: torch.dtype) -> bool:
+    """Whether the kernel for `dtype` is built (`prepare`); never builds (safe while dynamo traces)."""
+    return _kernels.get(dtype) is not None
+
+
+def _short_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    b, heads, n, d = query.shape
+    kernel = _kernels.get(query.dtype)
+    if kernel is None:
+        raise RuntimeError(
+            f"flashdraft::short_attention: no kernel built for {query.dtype} (cpu_attention.prepare)"
+        )
+    dv = value.shape[-1]
+    out = query.new_empty(b, n, heads, dv)
+    q, k, v = query.stride(), key.stride(), value.stride()
+    if mask is None:
+        width, kind, mask, m = key.shape[2], MASK_NONE, query, (0, 0, 0)
+    else:  # a broadcast dimension's index stays 0
+        width, kind, size = mask.shape[-1], MASK_BOOL if mask.dtype == torch.bool else MASK_ADDED, mask.shape
+        m = [0 if size[i] == 1 else mask.stride(i) for i in range(3)]
+    kernel(query, key, value, mask, out, b, heads, key.shape[1], n, width, d, dv, q[0], q[1], q[2], k[0], k[1], k[2],
+           v[0], v[1], v[2], kind, m[0], m[1], m[2], scale)  # fmt: skip
+    return out
+
+
+def _fake(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, scale: float
+) -> torch.Tensor:
+    b, heads, n, _ = query.shape
+    return query.new_empty(b, n, heads, value.shape[-1])
+
+
+_library = torch.library.Library("flashdraft", "FRAGMENT")
+_library.define(
+    "short_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor"
+)
+_library.impl("short_attention", _short_attention, "CPU")
+torch.library.register_fake("flashdraft::short_attention", _fake, lib=_library)
+
+
+def short_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """query [b, h, n, d], key/value [b, kv_heads, >= W, d | dv], mask [b | 1, 1 | h, n, W] bool or added (the
+    query's dtype), or None (causal over the keys) -> [b, n, h, dv]. The last dims must be contiguous."""
+    return torch.ops.flashdraft.short_attention(query, key, value, mask, scale)
