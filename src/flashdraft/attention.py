@@ -12,9 +12,10 @@ to transformers' SDPA function unchanged.
 In bf16, once cpu_attention.py's kernel is built (`use`, before anything is traced), short queries with a mask it
 reads (bool or added, or none where causal) go to that kernel instead: one pass per query row in fixed summation
 orders, hidden columns skipped: 18 us a layer with the call (34 under the profiler) where the two products and
-their softmax took 86 (SmolLM2-135M, one query over 256-320 columns, 2-core Zen 4 EPYC); its bits depend on neither the mask's width (so bf16's static mask covers only the columns in use,
-`narrow_mask`) nor where a row's columns sit among hidden ones (draft trees). The rest of this docstring is the path
-without it (other dtypes, or no C++ compiler).
+their softmax took 86 (SmolLM2-135M, one query over 256-320 columns, 2-core Zen 4 EPYC); its bits depend on
+neither the mask's width (so bf16's static mask covers only the columns in use, `narrow_mask`) nor where a row's
+columns sit among hidden ones (draft trees). The rest of this docstring is the path without it (other dtypes, or
+no C++ compiler).
 
 Its result for a query row does not depend on the rows beside it: the products go to oneDNN's bf16 kernel, which on
 the CPUs measured here reduces each output element in the same order whatever the number of rows, and the masked
