@@ -117,11 +117,16 @@ def short_query_attention(
 def _kernel_serves(module: torch.nn.Module, query: torch.Tensor, mask: torch.Tensor | None, n: int) -> bool:
     """Whether cpu_attention's kernel (built for this dtype) takes the call: a mask it reads (bool or added in the
     query's dtype, 4-D), or none with causal queries (or one query)."""
-    if query.device.type != "cpu" or not cpu_attention.ready(query.dtype) or query.dtype not in KERNEL_DTYPES:
+    if query.device.type != "cpu" or not kernel_ready(query.dtype):
         return False
     if mask is None:
         return n == 1 or getattr(module, "is_causal", True)
     return mask.dim() == 4 and mask.dtype in (torch.bool, query.dtype)
+
+
+def kernel_ready(dtype: torch.dtype) -> bool:
+    """Whether short queries in `dtype` run cpu_attention's kernel: a dtype of KERNEL_DTYPES, its kernel built."""
+    return dtype in KERNEL_DTYPES and cpu_attention.ready(dtype)
 
 
 def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -139,8 +144,7 @@ def narrow_mask(model: torch.nn.Module, device: torch.device, dtype: torch.dtype
     bits do not depend on the width; not in the other dtypes, which keep one width per capacity for the bits they
     claim, and not on a GPU, where a fixed width is what a CUDA graph replays."""
     attention = getattr(model.config, "_attn_implementation", None)
-    kernel = dtype in KERNEL_DTYPES and cpu_attention.ready(dtype)
-    return attention == NAME and device.type == "cpu" and (dtype == torch.float32 or kernel)
+    return attention == NAME and device.type == "cpu" and (dtype == torch.float32 or kernel_ready(dtype))
 
 
 def register() -> None:

@@ -199,11 +199,10 @@ def _tree_invariant(dtype: torch.dtype) -> bool:
     attention through cpu_attention's kernel (hidden columns add nothing, wherever they are), and the linears
     through cpu_gemm's pair kernel (avx512_bf16; a row's bits whatever the rows beside it). On AMX CPUs inductor's
     AMX kernel takes the linears and was not measured here."""
-    from . import attention, cpu_attention
+    from .attention import kernel_ready
 
-    kernel = dtype in attention.KERNEL_DTYPES and cpu_attention.ready(dtype)
     pairs = torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported()
-    return kernel and pairs
+    return kernel_ready(dtype) and pairs
 
 
 def tree_window(target: Any) -> int | None:
