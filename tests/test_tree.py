@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from conftest import VOCAB, hybrid_model, tiny_model
-from flashdraft import DFlashDraftModel, SamplingParams, Target, generate, generate_ar, generate_batch
+from flashdraft import (
+    DFlashDraftModel,
+    SamplingParams,
+    Target,
+    attention,
+    generate,
+    generate_ar,
+    generate_batch,
+)
 from flashdraft.batched_dflash import BatchedDFlashProposer
 from flashdraft.costs import CostModel
 from flashdraft.engine import BatchDecoder
@@ -391,6 +399,9 @@ def test_the_compiled_cpu_path_in_reduced_precision_verifies_trees_only_where_th
     proposer = BatchedDFlashProposer(drafter(bf16.config).to(torch.bfloat16), bf16, block_size=5, tree=8)
     if _tree_exact_cpu():
         assert tree_refusal(bf16) is None and proposer.tree is not None
+        # a budget past the short-query kernel's block is cut to it (a longer verify would go to SDPA)
+        wide = BatchedDFlashProposer(drafter(bf16.config).to(torch.bfloat16), bf16, block_size=5, tree=200)
+        assert wide.tree == attention.SHORT_QUERY - 1
     else:
         assert "compiled CPU path" in tree_refusal(bf16)
         assert proposer.tree is None and "compiled" in proposer.tree_note

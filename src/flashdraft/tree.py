@@ -194,6 +194,18 @@ def tree_refusal(target: Any) -> str | None:
     return mask_refusal(target)
 
 
+def tree_budget(target: Any, nodes: int) -> int:
+    """The node budget `target` verifies exactly: on the compiled CPU path in reduced precision at most
+    attention.SHORT_QUERY - 1 nodes (with the anchor, a block the short-query kernel takes; a longer verify goes to
+    SDPA, whose bits are not a one-token step's)."""
+    from .attention import SHORT_QUERY
+
+    compiled_cpu = getattr(target, "compile_options", None) is not None and target.device.type == "cpu"
+    if compiled_cpu and target.dtype in (torch.bfloat16, torch.float16):
+        return min(nodes, SHORT_QUERY - 1)
+    return nodes
+
+
 def _tree_invariant(dtype: torch.dtype) -> bool:
     """Whether the compiled CPU verify in `dtype` gives a tree's node the bits of its path's one-token steps: the
     attention through cpu_attention's kernel (hidden columns add nothing, wherever they are), and the linears
