@@ -170,7 +170,7 @@ class BatchedDFlashProposer(BatchProposer):
             raise ValueError(f"a draft tree needs at least one node, got {tree}")
         # Draft trees (tree.py): why this target verifies chains only, if it does (said once by --verbose).
         self.tree_note = None if tree is None else tree_refusal(target)
-        self.tree = None if self.tree_note is not None else tree_budget(target, tree)
+        self.tree = None if tree is None or self.tree_note is not None else tree_budget(target, tree)
         self.tree_window = None if self.tree is None else tree_window(target)
         self._candidates: tuple[torch.Tensor, torch.Tensor] | None = None  # the last pass's slot candidates
         self._pass: tuple[torch.Tensor, torch.Tensor] | None = None  # the last pass's hidden, anchors
