@@ -355,7 +355,8 @@ def test_a_frozen_graph_names_the_weights_it_freezes():
 
 def test_the_compiled_draft_head_gives_the_eager_head_s_logits_for_any_number_of_rows():
     """The drafter's LM head, compiled as the verify is (frozen, through the GEMM template), is `draft_logits`:
-    the drafter's output multiplier and soft-capping included, one graph for every number of rows."""
+    the drafter's output multiplier and soft-capping included, one graph for every number of rows; the greedy drafts
+    and confidences it reduces in the same graph are `propose_tokens`' (each row's argmax and its probability)."""
     from types import SimpleNamespace
 
     from torch._dynamo.utils import counters
@@ -378,7 +379,10 @@ def test_the_compiled_draft_head_gives_the_eager_head_s_logits_for_any_number_of
         for rows, offset in ((15, 1), (7, 0), (30, 2), (15, 0)):
             hidden = torch.randn(rows + offset, 48)[offset:]
             want = draft_logits(config, hidden, weight, bias)
-            torch.testing.assert_close(head(hidden), want, rtol=1e-5, atol=1e-5)
+            logits, tokens, confidence = head(hidden)
+            torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+            assert torch.equal(tokens, logits.argmax(-1))
+            torch.testing.assert_close(confidence, want.softmax(-1).max(-1).values, rtol=1e-5, atol=1e-6)
     assert counters["stats"]["unique_graphs"] == 1
     assert counters["inductor"]["cpp_templated_kernel_counter"] == 1
     # the template takes constant weights only (frozen), and packs them itself: no oneDNN copy

@@ -133,7 +133,7 @@ class BatchedDFlashProposer(BatchProposer):
         self.static = uses_static_cache(target)
         self.block_pass = draft_block_pass(self.draft, target) if self.static else None
         # the drafter's LM head compiled beside a compiled verify (None: eager or dynamic), else the eager one
-        compiled_head = self.static and draft_head(
+        compiled_head = None if not self.static else draft_head(
             self.draft.config,
             single.head_weight,
             single.head_bias,
@@ -141,7 +141,8 @@ class BatchedDFlashProposer(BatchProposer):
             module=single.packed_head,
             vocab=None if single.vocab_ids is None else (single.vocab_ids, single.vocab_size),
         )
-        self.head_logits = compiled_head or single.head_logits
+        self.head_drafts = compiled_head or None  # (logits, greedy drafts, confidences) in one graph
+        self.head_logits = single.head_logits if compiled_head is None else _logits_of(compiled_head)
         self.cache = self._new_cache()
         self.absorbed: list[int] = []  # context tokens of each row already in the draft cache
         self.pending: list[torch.Tensor | None] = []  # [k, F] features not yet projected, per row
@@ -279,8 +280,7 @@ class BatchedDFlashProposer(BatchProposer):
         # Slot k predicts the token at anchor + k; slot 0's output is unused.
         self._pass = (hidden, anchors)
         slots = block - 1 if slots is None else min(slots, block - 1)
-        logits = self.head_logits(hidden[:, 1 : 1 + slots].reshape(b * slots, -1)).view(b, slots, -1)
-        tokens, confidence = self.draft.propose_tokens(hidden[:, 1 : 1 + slots], logits, anchors)
+        logits, tokens, confidence = self._slot_drafts(hidden[:, 1 : 1 + slots], anchors)
         if self.tree is not None:
             self._candidates = slot_candidates(logits, tokens, confidence, TREE_WIDTH)
         if self.draft.candidate_selector is None:  # constrained greedy rows: drafts the grammar allows
@@ -310,11 +310,20 @@ class BatchedDFlashProposer(BatchProposer):
         the first k (a greedy v1 drafter's slots are independent argmaxes)."""
         hidden, anchors = self._pass
         b, have = tokens.shape
-        rest = hidden[:, 1 + have :]
-        logits = self.head_logits(rest.reshape(b * rest.shape[1], -1)).view(b, rest.shape[1], -1)
-        more, sure = self.draft.propose_tokens(rest, logits, anchors)
+        _, more, sure = self._slot_drafts(hidden[:, 1 + have :], anchors)
         more, sure = more.to(tokens.device), sure.to(confidence.device)
         return torch.cat([tokens, more], 1), torch.cat([confidence, sure], 1)
+
+    def _slot_drafts(self, hidden: torch.Tensor, anchors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(logits [b, k, V], greedy drafts [b, k], the drafter's confidence in each) from slot states [b, k, H]:
+        the drafts from the compiled head's own reduction where it made them (a v1 drafter), else `propose_tokens`."""
+        b, k, _ = hidden.shape
+        flat = hidden.reshape(b * k, -1)
+        if self.head_drafts is not None and self.draft.candidate_selector is None:
+            logits, tokens, confidence = self.head_drafts(flat)
+            return logits.view(b, k, -1), tokens.view(b, k), confidence.view(b, k)
+        logits = self.head_logits(flat).view(b, k, -1)
+        return (logits, *self.draft.propose_tokens(hidden, logits, anchors))
 
     def _first_slots(self, rows: list[BatchRow], context: int) -> int | None:
         """How many slots the LM head covers first (None: all): on a CPU the head over a block's 15 slots cost 1.5x
@@ -587,6 +596,15 @@ class BatchedDFlashProposer(BatchProposer):
             table = getattr(self.calibration, "draft" if source == "dflash" else source)
             table.update(keys, n, a)
             self._last[i] = None
+
+
+def _logits_of(head: Any) -> Any:
+    """The logits alone of a compiled head that also returns its greedy drafts (the cost model times the head)."""
+
+    def logits(hidden: torch.Tensor) -> torch.Tensor:
+        return head(hidden)[0]
+
+    return logits
 
 
 def _extended(expected: torch.Tensor, more: int) -> torch.Tensor:

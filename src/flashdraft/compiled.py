@@ -43,7 +43,8 @@ import torch
 
 from .cpu_gemm import register_cpu_gemm_kernels
 from .kv_cache import static_refusal, symbolic_sizes
-from .target import TargetError
+from .sampling import non_finite_rows
+from .target import TargetError, TargetOutput
 
 
 def compile_verify(target: Any) -> str | None:
@@ -109,6 +110,11 @@ def compile_options(device: torch.device, training: bool = False) -> dict[str, A
             # one-token step), and 5 of 6 bf16 DFlash outputs parted from plain decoding on a 2-core EPYC
             # (avx512_bf16); with it, none (benchmarks/README.md, 2026-11-28)
             "emulate_precision_casts": True,
+            # the linears of one input (q / k / v, gate / up) as one GEMM over their weights concatenated at freezing:
+            # 121 GEMM calls a step where there were 211, each row's outputs the same bits (the template sums a
+            # column as it sums it at any width); SmolLM2-135M bf16's verify of 1 / 4 / 8 tokens 3 / 6 / 10 % faster
+            # on a 2-core EPYC (avx512_bf16), interleaved in one process (benchmarks/README.md, 2026-11-29)
+            "cpp.enable_concat_linear": True,
             # the autotuning's tables of choices on stderr, at every compile: not for a user's terminal
             "autotune_num_choices_displayed": 0,
             "max_autotune_report_choices_stats": False,
@@ -379,7 +385,9 @@ def options_key(options: dict[str, Any] | None) -> str:
 
 
 class VerifyForward:
-    """The target's verify over a static cache, with its layer taps: (logits [b, n, V] fp32, taps [b, n, F]).
+    """The target's verify over a static cache, with its layer taps: a `TargetOutput` (logits [b, n, V] fp32, taps
+    [b, n, F], and the greedy accept's argmax and non-finite flags per position, reduced from the logits inside the
+    graph: one fused pass where the engine's eager reductions were five, 0.7 ms of a 15 ms bf16 step on a 2-core EPYC).
     Compiled whole (fullgraph) with `compile_options` (torch.compile's keywords); on a GPU inductor's
     `triton.cudagraphs` records a CUDA graph per shape. The taps are hooks registered once (hooks added and removed
     per call would make every call a new graph)."""
@@ -407,18 +415,19 @@ class VerifyForward:
 
     def _forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: Any
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, ...]:
         t = self.target
         logits = t.model(input_ids=input_ids, **t.model_kwargs(cache, mask, position_ids)).logits.float()
         taps = t._concat_taps(self._captured, self.taps) if self.taps else None
-        return logits, taps
+        return logits, taps, logits.argmax(-1), non_finite_rows(logits)
 
     @torch.no_grad()
     def __call__(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: Any
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> TargetOutput:
         if not self.compiled:
-            return self._forward(input_ids, position_ids, mask, cache)
+            logits, taps, tokens, bad = self._forward(input_ids, position_ids, mask, cache)
+            return TargetOutput(logits, taps, (tokens, bad))
         self._captured.clear()  # the hooks also fire in eager forwards (prefill): the graph always starts empty
         input_ids, position_ids = fresh(input_ids), fresh(position_ids)
         symbolic_sizes(input_ids, 0, 1)  # rows, verify length
@@ -426,12 +435,14 @@ class VerifyForward:
             position_ids, *((0, 1) if position_ids.dim() == 2 else (1, 2))
         )  # [4, b, n]: multimodal RoPE
         symbolic_sizes(mask, 0, 2, 3)  # rows, verify length, capacity
-        logits, taps = _run_compiled(
+        logits, taps, tokens, bad = _run_compiled(
             self._fn, f"{self.target.name}'s verify", input_ids, position_ids, mask, cache
         )
         self._captured.clear()  # the graph's own memory: not held past the call
         # A replayed graph writes its outputs into the same memory next time: keep copies.
-        return logits.clone(), None if taps is None else taps.clone()
+        return TargetOutput(
+            logits.clone(), None if taps is None else taps.clone(), (tokens.clone(), bad.clone())
+        )
 
 
 def verify_forward(target: Any, tap_layer_ids: Sequence[int]) -> VerifyForward:
@@ -478,7 +489,9 @@ def draft_head(
     vocab: tuple[torch.Tensor, int] | None = None,
 ) -> Any:
     """The drafter's LM head (`model.draft_logits` over [rows, H] states) compiled as the target's verify is, made
-    once per target, head precision and drafter scaling; None when the verify is eager. `module`: a quantized head
+    once per target, head precision and drafter scaling; None when the verify is eager. It returns (logits [rows, V],
+    each row's argmax and its softmax probability): a v1 drafter's greedy drafts and confidences reduced in the same
+    graph (eager, `propose_tokens`' softmax over the expanded logits cost 0.7 ms a draft pass on a 2-core EPYC). `module`: a quantized head
     (quantize.Int8Linear) compiled as it is, in place of `weight` and `bias`. Eager, this head was most of a CPU
     draft pass: 25 of 34 ms for SmolLM2's 15 slots through MKL on a 2-core AMD EPYC, 8 ms through inductor's GEMM
     template (the module docstring). `vocab`: (ids, V) where the head covers the drafter's vocabulary only
@@ -511,16 +524,18 @@ def draft_head(
     holder.head = head
     holder.register_buffer("vocab_ids", None if vocab is None else vocab[0])
 
-    def logits(hidden: torch.Tensor) -> torch.Tensor:
+    def logits_and_drafts(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         out = head_logits(hidden)
-        return out if vocab is None else expand_logits(out, holder.vocab_ids, vocab[1])
+        out = out if vocab is None else expand_logits(out, holder.vocab_ids, vocab[1])
+        confidence, tokens = out.softmax(-1).max(-1)  # a v1 drafter's greedy drafts (model.propose_tokens)
+        return out, tokens, confidence
 
-    compiled = compile_whole(logits, target.compile_options, weights=holder)
+    compiled = compile_whole(logits_and_drafts, target.compile_options, weights=holder)
 
-    def run(hidden: torch.Tensor) -> torch.Tensor:
+    def run(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         hidden = fresh(hidden)  # one row's slots, `hidden[:, 1:]`, start one state into their tensor
         symbolic_sizes(hidden, 0)  # rows x slots
-        return _run_compiled(compiled, "the drafter's LM head", hidden).clone()
+        return tuple(t.clone() for t in _run_compiled(compiled, "the drafter's LM head", hidden))
 
     heads[key] = run
     return run

@@ -391,9 +391,9 @@ class BatchDecoder:
             tree = None if tree is None else tree.to(block.device, non_blocking=True)
             width = narrow_width(columns + n, static.capacity) if self.narrow_mask else static.capacity
             mask = static_mask(valid, n, width, self.target.dtype, tree)
-            logits, features = self.verify(block, positions, mask, self.cache)
+            out = self.verify(block, positions, mask, self.cache)
             set_length(self.cache, columns + n)
-            return TargetOutput(logits=logits, features=features)
+            return out
         if tree is not None:  # a [b, 1, n, C + n] additive mask: each row's cached columns, then its tree
             valid = self.valid[:, None, :].expand(-1, n, -1)
             sees = torch.cat([valid, tree], 2)[:, None].to(block.device)
@@ -495,7 +495,8 @@ class BatchDecoder:
         greedy = [i for i, r in enumerate(rows) if r.sampling.greedy and i not in trees]
         # No copy of the logits when every row is greedy.
         pick = slice(None) if len(greedy) == len(rows) else greedy
-        decided = verify_greedy_rows(out.logits[pick], block[pick, 1:]) if greedy else None
+        reduced = None if out.greedy is None else (out.greedy[0][pick], out.greedy[1][pick])
+        decided = verify_greedy_rows(out.logits[pick], block[pick, 1:], reduced) if greedy else None
         decided = dict(zip(greedy, decided, strict=True)) if decided is not None else {}
         for i, row in enumerate(rows):
             real = proposals[i].shape[0]

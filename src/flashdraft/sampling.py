@@ -148,16 +148,18 @@ def verify_block(
 
 
 def verify_greedy_rows(
-    logits: torch.Tensor, draft_tokens: torch.Tensor
+    logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    reduced: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> list[tuple[int, list[int]]] | None:
     """`verify_block` at temperature 0 for all rows of a step at once, with ONE device-to-host transfer (the accept
     decision) instead of three per row: what keeps a GPU step from stalling once per row.
 
     logits [b, n + 1, V], draft_tokens [b, n]; per row (accepted drafts a, emitted tokens), or None when some row's
-    logits are not finite (the caller then goes row by row, and `verify_block` names the position)."""
+    logits are not finite (the caller then goes row by row, and `verify_block` names the position). `reduced`:
+    (argmax, non_finite_rows) of the logits [b, n + 1] where the verify computed them already."""
     n = draft_tokens.shape[1]
-    bad = non_finite_rows(logits)  # [b, n + 1]
-    target_tokens = logits.argmax(-1)  # [b, n + 1]
+    target_tokens, bad = reduced if reduced is not None else (logits.argmax(-1), non_finite_rows(logits))
     accepted = (target_tokens[:, :n] == draft_tokens.to(target_tokens.device)).int().cumprod(1).sum(1)
     host = torch.cat([bad.any(-1).long(), accepted.long(), target_tokens.flatten()]).tolist()
     b = logits.shape[0]

@@ -34,6 +34,9 @@ class DraftTargetMismatchError(TargetError):
 class TargetOutput:
     logits: torch.Tensor  # [b, n, V] (float32)
     features: torch.Tensor | None  # [b, n, len(tap_layer_ids) * H], outputs of the tapped decoder layers
+    # (argmax [b, n], non-finite [b, n]) of the logits where the verify computed them with the logits (the static
+    # cache's verify: one pass over the logits inside its graph); None: the greedy accept computes them
+    greedy: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _find_decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
