@@ -163,8 +163,9 @@ def test_token_counts_travel_with_the_drafter(models, tmp_path):
 
 @pytest.mark.parametrize("quantized", [False, True])
 def test_the_compiled_draft_head_over_a_vocabulary_gives_the_eager_head_s_logits(quantized):
-    """Compiled as the verify is (frozen weights, inductor's GEMM template), expanded inside the graph; a compiled
-    head is kept per vocabulary, never handed to another one."""
+    """Compiled as the verify is (frozen weights, inductor's GEMM template), expanded inside the graph, its greedy
+    drafts mapped back to the whole vocabulary's ids; a compiled head is kept per vocabulary, never handed to another
+    one."""
     from types import SimpleNamespace
 
     from flashdraft.compiled import compile_options, draft_head
@@ -202,7 +203,12 @@ def test_the_compiled_draft_head_over_a_vocabulary_gives_the_eager_head_s_logits
         assert head_for(ids) is head and head_for(other) is not head
         for rows in (15, 4):
             hidden = torch.randn(rows, 48)
-            got = head(hidden)
+            got, tokens, confidence = head(hidden)
             torch.testing.assert_close(got, eager(hidden, ids), rtol=1e-5, atol=1e-5)
             assert torch.isneginf(got).sum() == rows * (VOCAB - 40)
-            torch.testing.assert_close(head_for(other)(hidden), eager(hidden, other), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(head_for(other)(hidden)[0], eager(hidden, other), rtol=1e-5, atol=1e-5)
+            # the greedy drafts are token ids of the whole vocabulary, with or without the expanded logits
+            assert torch.equal(tokens, got.argmax(-1)) and bool(torch.isin(tokens, ids).all())
+            none, alone, sure = head(hidden, logits=False)
+            assert none is None and torch.equal(alone, tokens)
+            torch.testing.assert_close(sure, confidence, rtol=1e-5, atol=1e-6)

@@ -376,20 +376,59 @@ def test_the_compiled_draft_head_gives_the_eager_head_s_logits_for_any_number_of
         assert draft_head(config, weight, bias, target) is head  # made once per target, precision and scaling
         # cut from longer tensors at offsets, as the engine's slots are (`hidden[:, 1:]` of one row starts one
         # state in): an offset must not make a graph (on an H100 each new one compiled mid-answer)
-        for rows, offset in ((15, 1), (7, 0), (30, 2), (15, 0)):
+        for rows, offset in ((15, 1), (7, 0), (30, 2), (15, 0), (1, 1), (1, 0)):  # one row: doubled, same graph
             hidden = torch.randn(rows + offset, 48)[offset:]
             want = draft_logits(config, hidden, weight, bias)
             logits, tokens, confidence = head(hidden)
             torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
             assert torch.equal(tokens, logits.argmax(-1))
             torch.testing.assert_close(confidence, want.softmax(-1).max(-1).values, rtol=1e-5, atol=1e-6)
-    assert counters["stats"]["unique_graphs"] == 1
-    assert counters["inductor"]["cpp_templated_kernel_counter"] == 1
+            # the drafts alone (a greedy chain's pass), from a graph that never writes the logits
+            none, alone, sure = head(hidden, logits=False)
+            assert none is None and torch.equal(alone, tokens)
+            torch.testing.assert_close(sure, confidence, rtol=1e-5, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] == 2  # with the logits, and the drafts alone
+    assert counters["inductor"]["cpp_templated_kernel_counter"] == 2
     # the template takes constant weights only (frozen), and packs them itself: no oneDNN copy
     assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == 0
     assert counters["inductor"]["select_algorithm_autotune"] == 0  # the template, not a timing's choice
     target.compile_options = None
     assert draft_head(config, weight, bias, target) is None  # an eager verify: the eager head
+
+
+def test_the_compiled_context_projection_is_the_eager_one_in_one_graph():
+    """The drafter's context projection compiled (`draft_context_pass`: fc, norm, each layer's K/V with RoPE) gives
+    the eager `context_kv`'s K/V at every width and row count, a width of one included, from one graph; it is
+    eager beside an eager verify."""
+    from types import SimpleNamespace
+
+    from torch._dynamo.utils import counters
+
+    from flashdraft.compiled import compile_options, draft_context_pass
+
+    torch.manual_seed(0)
+    model = tiny_model("llama", layers=4)
+    draft = DFlashDraftModel.for_target(model.config, num_layers=2, block_size=8, mask_token_id=VOCAB - 1).eval()
+    target = SimpleNamespace(compile_options=compile_options(torch.device("cpu")), device=torch.device("cpu"))
+    feat = len(draft.config.target_layer_ids) * model.config.hidden_size
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+        run = draft_context_pass(draft, target)
+        assert draft_context_pass(draft, target) is run  # made once per drafter and target
+        for rows, width, start in ((1, 9, 0), (1, 1, 9), (1, 3, 10), (2, 1, 40), (3, 5, 7)):
+            features = torch.randn(rows, width, feat)
+            positions = torch.arange(start, start + width).repeat(rows, 1)
+            got, want = run(features, positions), draft.context_kv(features, positions)
+            assert len(got) == len(want) == 2
+            for (k, v), (k_want, v_want) in zip(got, want, strict=True):
+                assert k.shape == k_want.shape and v.shape == v_want.shape
+                torch.testing.assert_close(k, k_want, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(v, v_want, rtol=1e-4, atol=1e-4)
+    # rows of one are specialised apart from more rows (dynamo), widths of one are not
+    assert counters["stats"]["unique_graphs"] == 2
+    target.compile_options = None
+    assert draft_context_pass(draft, target) is None
 
 
 def test_inductor_s_one_token_step_decodes_as_plain_decoding(monkeypatch):

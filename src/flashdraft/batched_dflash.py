@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .compiled import draft_block_pass, draft_head
+from .compiled import draft_block_pass, draft_context_pass, draft_head
 from .costs import CostModel
 from .grammar import steer_drafts
 from .kv_cache import CAPACITY_STEP, uses_static_cache
@@ -132,6 +132,7 @@ class BatchedDFlashProposer(BatchProposer):
         # Beside a static target cache the draft context is static too, and its block pass compiled with the verify.
         self.static = uses_static_cache(target)
         self.block_pass = draft_block_pass(self.draft, target) if self.static else None
+        self.context_pass = draft_context_pass(self.draft, target) if self.static else None
         # the drafter's LM head compiled beside a compiled verify (None: eager or dynamic), else the eager one
         compiled_head = None if not self.static else draft_head(
             self.draft.config,
@@ -274,13 +275,16 @@ class BatchedDFlashProposer(BatchProposer):
             context_positions=context_positions,
             cache=self.cache,
             block_pass=self.block_pass,
+            context_pass=self.context_pass,
         )
         self.pending = [None] * b
         self._compact()
         # Slot k predicts the token at anchor + k; slot 0's output is unused.
         self._pass = (hidden, anchors)
         slots = block - 1 if slots is None else min(slots, block - 1)
-        logits, tokens, confidence = self._slot_drafts(hidden[:, 1 : 1 + slots], anchors)
+        # the drafter's logits over the vocabulary only where something reads more than the greedy drafts
+        read_logits = self.tree is not None or self.sampled_drafts or any(r.grammar is not None for r in rows)
+        logits, tokens, confidence = self._slot_drafts(hidden[:, 1 : 1 + slots], anchors, read_logits)
         if self.tree is not None:
             self._candidates = slot_candidates(logits, tokens, confidence, TREE_WIDTH)
         if self.draft.candidate_selector is None:  # constrained greedy rows: drafts the grammar allows
@@ -310,18 +314,26 @@ class BatchedDFlashProposer(BatchProposer):
         the first k (a greedy v1 drafter's slots are independent argmaxes)."""
         hidden, anchors = self._pass
         b, have = tokens.shape
-        _, more, sure = self._slot_drafts(hidden[:, 1 + have :], anchors)
+        _, more, sure = self._slot_drafts(hidden[:, 1 + have :], anchors, logits=False)
         more, sure = more.to(tokens.device), sure.to(confidence.device)
         return torch.cat([tokens, more], 1), torch.cat([confidence, sure], 1)
 
-    def _slot_drafts(self, hidden: torch.Tensor, anchors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def chain_head(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """The head over slot states [k, H] as a greedy chain's draft pass runs it (the cost model times it)."""
+        anchors = torch.zeros(1, dtype=torch.long, device=hidden.device)
+        return self._slot_drafts(hidden[None], anchors, logits=False)
+
+    def _slot_drafts(
+        self, hidden: torch.Tensor, anchors: torch.Tensor, logits: bool = True
+    ) -> tuple[torch.Tensor | None, ...]:
         """(logits [b, k, V], greedy drafts [b, k], the drafter's confidence in each) from slot states [b, k, H]:
-        the drafts from the compiled head's own reduction where it made them (a v1 drafter), else `propose_tokens`."""
+        the drafts from the compiled head's own reduction where it made them (a v1 drafter), else `propose_tokens`.
+        `logits=False`: None for the logits where the compiled head can leave them out."""
         b, k, _ = hidden.shape
         flat = hidden.reshape(b * k, -1)
         if self.head_drafts is not None and self.draft.candidate_selector is None:
-            logits, tokens, confidence = self.head_drafts(flat)
-            return logits.view(b, k, -1), tokens.view(b, k), confidence.view(b, k)
+            out, tokens, confidence = self.head_drafts(flat, logits)
+            return None if out is None else out.view(b, k, -1), tokens.view(b, k), confidence.view(b, k)
         logits = self.head_logits(flat).view(b, k, -1)
         return (logits, *self.draft.propose_tokens(hidden, logits, anchors))
 

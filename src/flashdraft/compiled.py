@@ -480,6 +480,40 @@ def draft_block_pass(draft: Any, target: Any) -> Any:
     return run
 
 
+def draft_context_pass(draft: Any, target: Any) -> Any:
+    """The drafter's context projection (`model.context_kv`: the target features fused, each layer's K/V with its
+    norm and RoPE) compiled as the target's verify is (None: eager), made once per drafter and target. Eager it was
+    a dozen small operators a draft pass, 0.8 ms of a 15 ms bf16 step on a 2-core EPYC (benchmarks/README.md,
+    2026-11-29). One graph for any rows and width: a width of one (a step that accepted no draft) goes in doubled.
+    CPU only: a prompt's whole width comes through here once, and a GPU's CUDA graphs would record one per width."""
+    if target.compile_options is None or target.device.type != "cpu":
+        return None
+    passes = draft.__dict__.setdefault("_flashdraft_context_passes", {})
+    key = options_key(target.compile_options)
+    if key in passes:
+        return passes[key]
+    compiled = compile_whole(draft.context_kv, target.compile_options, weights=draft)
+
+    def run(features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        width = features.shape[1]
+        features, positions = fresh(at_least_two(features, 1)), fresh(at_least_two(positions, 1))
+        symbolic_sizes(features, 0, 1)  # rows, width
+        symbolic_sizes(positions, 0, 1)
+        kvs = _run_compiled(compiled, "the drafter's context projection", features, positions)
+        return [(k[:, :, :width].clone(), v[:, :, :width].clone()) for k, v in kvs]
+
+    passes[key] = run
+    return run
+
+
+def at_least_two(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """`t` with a size of one along `dim` doubled (its one slice repeated), else `t`. dynamo keeps a size of one
+    specialised (a graph of its own) even where `symbolic_sizes` marks it: a compiled function whose inputs can be
+    one row or column wide runs its one general graph on two, where the rows do not depend on each other, and
+    compiles nothing new in the middle of an answer (an int8 head first met one row there: a 21 s step)."""
+    return torch.cat([t, t], dim) if t.shape[dim] == 1 else t
+
+
 def draft_head(
     config: Any,
     weight: torch.Tensor | None,
@@ -489,10 +523,12 @@ def draft_head(
     vocab: tuple[torch.Tensor, int] | None = None,
 ) -> Any:
     """The drafter's LM head (`model.draft_logits` over [rows, H] states) compiled as the target's verify is, made
-    once per target, head precision and drafter scaling; None when the verify is eager. It returns (logits [rows, V],
-    each row's argmax and its softmax probability): a v1 drafter's greedy drafts and confidences reduced in the same
-    graph (eager, `propose_tokens`' softmax over the expanded logits cost 0.7 ms a draft pass on a 2-core EPYC). `module`: a quantized head
-    (quantize.Int8Linear) compiled as it is, in place of `weight` and `bias`. Eager, this head was most of a CPU
+    once per target, head precision and drafter scaling; None when the verify is eager. `run(hidden)` returns
+    (logits [rows, V], each row's argmax and its softmax probability): a v1 drafter's greedy drafts and confidences
+    reduced in the same graph; `run(hidden, logits=False)` returns (None, drafts, confidences) from a graph of its
+    own that reduces the head's own columns and never writes the V-wide logits (a greedy chain reads nothing else:
+    eager, `propose_tokens`' softmax over the expanded logits cost 0.7 ms a draft pass on a 2-core EPYC). `module`:
+    a quantized head (quantize.Int8Linear) compiled as it is, in place of `weight` and `bias`. Eager, this head was most of a CPU
     draft pass: 25 of 34 ms for SmolLM2's 15 slots through MKL on a 2-core AMD EPYC, 8 ms through inductor's GEMM
     template (the module docstring). `vocab`: (ids, V) where the head covers the drafter's vocabulary only
     (draft_vocab.py): the logits come out expanded to V columns, -inf at the others."""
@@ -530,12 +566,21 @@ def draft_head(
         confidence, tokens = out.softmax(-1).max(-1)  # a v1 drafter's greedy drafts (model.propose_tokens)
         return out, tokens, confidence
 
-    compiled = compile_whole(logits_and_drafts, target.compile_options, weights=holder)
+    def drafts(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        confidence, index = head_logits(hidden).softmax(-1).max(-1)  # -inf elsewhere adds nothing to the sum
+        return (index if vocab is None else holder.vocab_ids[index]), confidence
 
-    def run(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        hidden = fresh(hidden)  # one row's slots, `hidden[:, 1:]`, start one state into their tensor
+    with_logits = compile_whole(logits_and_drafts, target.compile_options, weights=holder)
+    drafts_only = compile_whole(drafts, target.compile_options, weights=holder)
+
+    def run(hidden: torch.Tensor, logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        rows = hidden.shape[0]
+        # one row's slots, `hidden[:, 1:]`, start one state into their tensor; one slot goes in doubled
+        hidden = fresh(at_least_two(hidden, 0))
         symbolic_sizes(hidden, 0)  # rows x slots
-        return tuple(t.clone() for t in _run_compiled(compiled, "the drafter's LM head", hidden))
+        out = _run_compiled(with_logits if logits else drafts_only, "the drafter's LM head", hidden)
+        out = tuple(t[:rows].clone() for t in out)
+        return out if logits else (None, *out)
 
     heads[key] = run
     return run

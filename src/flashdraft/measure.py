@@ -245,7 +245,7 @@ def measure_costs(
         per_context.append([median_seconds(lambda n=n: verify(n), repeats) for n in lengths])
         draft_times.append(median_seconds(draft_pass, repeats))
         if slot_s is None:  # the head the engine drafts with, over one slot and over all of them
-            head = engine.proposer.head_logits if static else proposer.head_logits
+            head = engine.proposer.chain_head if static else proposer.head_logits
             hidden = torch.randn(block - 1, target.hidden_size, generator=gen).to(
                 device, getattr(torch, draft_dtype)
             )

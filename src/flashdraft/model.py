@@ -365,6 +365,7 @@ class DFlashDraftModel(nn.Module):
         cache: DraftContextCache | None = None,
         num_blocks: int = 1,
         block_pass: Any = None,
+        context_pass: Any = None,
     ) -> torch.Tensor:
         """Draft hidden states (after the final norm) for the block queries.
 
@@ -374,6 +375,7 @@ class DFlashDraftModel(nn.Module):
         context_positions: [b, c] their absolute positions
         cache:             if given, the new context K/V are appended to it and all cached context is attended
         block_pass:        decoding: `self.block_pass` compiled (None: eager)
+        context_pass:      decoding: `self.context_kv` compiled (None: eager)
         """
         b, q_len, _ = block_embeds.shape
         if q_len % num_blocks:
@@ -381,25 +383,27 @@ class DFlashDraftModel(nn.Module):
         dtype = self.fc.weight.dtype
         x = block_embeds.to(dtype)
         cos_q, sin_q = self.rotary_emb(block_positions, dtype)
-        context = None
-        if target_features is not None and target_features.shape[1] > 0:
-            if context_positions is None:
-                raise ValueError("context_positions are required with target_features")
-            context = self.fuse(target_features.to(dtype))
-            cos_c, sin_c = self.rotary_emb(context_positions, dtype)
-        if cache is not None:  # decoding: the new context into the cache (eager), then the block pass over it
+        new_context = target_features is not None and target_features.shape[1] > 0
+        if new_context and context_positions is None:
+            raise ValueError("context_positions are required with target_features")
+        if cache is not None:  # decoding: the new context's K/V into the cache, then the block pass over it
+            kvs = (context_pass or self.context_kv)(target_features, context_positions) if new_context else None
             for i, layer in enumerate(self.layers):
-                if context is not None or len(cache.keys) <= i:
+                if kvs is not None or len(cache.keys) <= i:
                     attn = layer.self_attn
-                    kv = attn.project_kv(context, cos_c, sin_c) if context is not None else (
+                    kv = kvs[i] if kvs is not None else (
                         x.new_zeros(b, attn.num_kv_heads, 0, attn.head_dim),) * 2  # fmt: skip
-                    cache.append(i, *kv, context_positions if i == 0 and context is not None else None)
+                    cache.append(i, *kv, context_positions if i == 0 and kvs is not None else None)
             # One block over a cache of fixed tokens needs no mask (all of its context precedes the anchor) unless
             # rows are padded; anything else, a single training block over a whole sequence included, is masked.
             cached = cache.positions if cache.positions is not None else block_positions.new_zeros(b, 0)
             masks = self._attention_masks(block_positions, cached, num_blocks, not cache.needs_mask)
             run = block_pass or self.block_pass
             return run(x, cos_q, sin_q, cache.keys, cache.values, masks, q_len // num_blocks)
+        context = None
+        if new_context:
+            context = self.fuse(target_features.to(dtype))
+            cos_c, sin_c = self.rotary_emb(context_positions, dtype)
         masks = self._attention_masks(
             block_positions,
             block_positions.new_zeros(b, 0) if context is None else context_positions,
@@ -413,6 +417,16 @@ class DFlashDraftModel(nn.Module):
                 ctx_k = ctx_v = x.new_zeros(b, attn.num_kv_heads, 0, attn.head_dim)
             x = layer(x, cos_q, sin_q, ctx_k, ctx_v, masks[layer.layer_type], q_len // num_blocks)
         return self.norm(x)
+
+    def context_kv(
+        self, target_features: torch.Tensor, context_positions: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's K/V [b, kv_heads, c, d] of new context: the target features [b, c, T*H] fused, at their
+        positions [b, c]. No cache is touched, so it can be compiled whole (the proposer passes its compiled copy)."""
+        dtype = self.fc.weight.dtype
+        context = self.fuse(target_features.to(dtype))
+        cos, sin = self.rotary_emb(context_positions, dtype)
+        return [layer.self_attn.project_kv(context, cos, sin) for layer in self.layers]
 
     def block_pass(self, x, cos, sin, keys, values, masks, block_len: int) -> torch.Tensor:
         """The layers over the block queries given every layer's cached context K/V: fixed shapes over a static
