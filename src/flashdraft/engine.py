@@ -442,6 +442,7 @@ class BatchDecoder:
         grammars = {i: r.grammar for i, r in enumerate(rows) if r.grammar is not None}
         if not grammars:
             return {}
+        out.greedy = None  # reduced from the logits before their masking: the accept reduces the masked ones
         if not out.logits.is_contiguous():
             out.logits = out.logits.contiguous()
         drafts = block[list(grammars), 1:].tolist()
