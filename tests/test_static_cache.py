@@ -376,7 +376,14 @@ def test_the_compiled_draft_head_gives_the_eager_head_s_logits_for_any_number_of
         assert draft_head(config, weight, bias, target) is head  # made once per target, precision and scaling
         # cut from longer tensors at offsets, as the engine's slots are (`hidden[:, 1:]` of one row starts one
         # state in): an offset must not make a graph (on an H100 each new one compiled mid-answer)
-        for rows, offset in ((15, 1), (7, 0), (30, 2), (15, 0), (1, 1), (1, 0)):  # one row: doubled, same graph
+        for rows, offset in (
+            (15, 1),
+            (7, 0),
+            (30, 2),
+            (15, 0),
+            (1, 1),
+            (1, 0),
+        ):  # one row: doubled, same graph
             hidden = torch.randn(rows + offset, 48)[offset:]
             want = draft_logits(config, hidden, weight, bias)
             logits, tokens, confidence = head(hidden)
@@ -408,7 +415,9 @@ def test_the_compiled_context_projection_is_the_eager_one_in_one_graph():
 
     torch.manual_seed(0)
     model = tiny_model("llama", layers=4)
-    draft = DFlashDraftModel.for_target(model.config, num_layers=2, block_size=8, mask_token_id=VOCAB - 1).eval()
+    draft = DFlashDraftModel.for_target(
+        model.config, num_layers=2, block_size=8, mask_token_id=VOCAB - 1
+    ).eval()
     target = SimpleNamespace(compile_options=compile_options(torch.device("cpu")), device=torch.device("cpu"))
     feat = len(draft.config.target_layer_ids) * model.config.hidden_size
     torch._dynamo.reset()

@@ -134,13 +134,17 @@ class BatchedDFlashProposer(BatchProposer):
         self.block_pass = draft_block_pass(self.draft, target) if self.static else None
         self.context_pass = draft_context_pass(self.draft, target) if self.static else None
         # the drafter's LM head compiled beside a compiled verify (None: eager or dynamic), else the eager one
-        compiled_head = None if not self.static else draft_head(
-            self.draft.config,
-            single.head_weight,
-            single.head_bias,
-            target,
-            module=single.packed_head,
-            vocab=None if single.vocab_ids is None else (single.vocab_ids, single.vocab_size),
+        compiled_head = (
+            None
+            if not self.static
+            else draft_head(
+                self.draft.config,
+                single.head_weight,
+                single.head_bias,
+                target,
+                module=single.packed_head,
+                vocab=None if single.vocab_ids is None else (single.vocab_ids, single.vocab_size),
+            )
         )
         self.head_drafts = compiled_head or None  # (logits, greedy drafts, confidences) in one graph
         self.head_logits = single.head_logits if compiled_head is None else _logits_of(compiled_head)

@@ -573,7 +573,9 @@ def draft_head(
     with_logits = compile_whole(logits_and_drafts, target.compile_options, weights=holder)
     drafts_only = compile_whole(drafts, target.compile_options, weights=holder)
 
-    def run(hidden: torch.Tensor, logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    def run(
+        hidden: torch.Tensor, logits: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         rows = hidden.shape[0]
         # one row's slots, `hidden[:, 1:]`, start one state into their tensor; one slot goes in doubled
         hidden = fresh(at_least_two(hidden, 0))

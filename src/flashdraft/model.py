@@ -387,7 +387,9 @@ class DFlashDraftModel(nn.Module):
         if new_context and context_positions is None:
             raise ValueError("context_positions are required with target_features")
         if cache is not None:  # decoding: the new context's K/V into the cache, then the block pass over it
-            kvs = (context_pass or self.context_kv)(target_features, context_positions) if new_context else None
+            kvs = (
+                (context_pass or self.context_kv)(target_features, context_positions) if new_context else None
+            )
             for i, layer in enumerate(self.layers):
                 if kvs is not None or len(cache.keys) <= i:
                     attn = layer.self_attn
