@@ -1,4 +1,5 @@
-"""The compiled decode path (`--compile`): the target's verify and the drafter's block pass, each compiled whole.
+"""The compiled decode path (`--compile`): the target's verify (with the greedy accept's reductions), the drafter's
+block pass, its LM head (with its greedy drafts) and, on a CPU, its context projection, each compiled whole.
 
 `compile_verify` puts a target on the static cache (kv_cache.py: one shape per rows x verify length x capacity, no
 position inside a graph) and gives it torch.compile's options for its device:
