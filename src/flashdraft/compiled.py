@@ -461,11 +461,20 @@ def draft_block_pass(draft: Any, target: Any) -> Any:
     once per drafter and target. Its output is copied: a replayed graph writes into the same memory next time."""
     if target.compile_options is None:
         return None
-    passes = draft.__dict__.setdefault("_flashdraft_block_passes", {})
+    return _once_per_options(draft, "_flashdraft_block_passes", target, _make_block_pass)
+
+
+def _once_per_options(draft: Any, store: str, target: Any, make: Any) -> Any:
+    """`make(draft, options)` for this drafter and the target's compile options, made once and kept on the drafter."""
+    made = draft.__dict__.setdefault(store, {})
     key = options_key(target.compile_options)
-    if key in passes:
-        return passes[key]
-    compiled = compile_whole(draft.block_pass, target.compile_options, weights=draft)
+    if key not in made:
+        made[key] = make(draft, target.compile_options)
+    return made[key]
+
+
+def _make_block_pass(draft: Any, options: dict[str, Any]) -> Any:
+    compiled = compile_whole(draft.block_pass, options, weights=draft)
 
     def run(x, cos, sin, keys, values, masks, block_len) -> torch.Tensor:
         # made this step (the context's K/V are marked where DraftContextCache makes them)
@@ -477,23 +486,23 @@ def draft_block_pass(draft: Any, target: Any) -> Any:
         args = (x, cos, sin, keys, values, masks, block_len)
         return _run_compiled(compiled, "the drafter's block pass", *args).clone()
 
-    passes[key] = run
     return run
 
 
 def draft_context_pass(draft: Any, target: Any) -> Any:
     """The drafter's context projection (`model.context_kv`: the target features fused, each layer's K/V with its
     norm and RoPE) compiled as the target's verify is (None: eager), made once per drafter and target. Eager it was
-    a dozen small operators a draft pass, 0.8 ms of a 15 ms bf16 step on a 2-core EPYC (benchmarks/README.md,
-    2026-11-29). One graph for any rows and width: a width of one (a step that accepted no draft) goes in doubled.
-    CPU only: a prompt's whole width comes through here once, and a GPU's CUDA graphs would record one per width."""
+    a dozen small operators, 1.4 ms a draft pass beside a 10 ms verify in bf16 on a 2-core EPYC
+    (benchmarks/README.md, 2026-11-29). One graph for any rows and width: a width of one (a step that accepted no
+    draft) goes in doubled. CPU only: a prompt's whole width comes through here once, and a GPU's CUDA graphs
+    would record one per width."""
     if target.compile_options is None or target.device.type != "cpu":
         return None
-    passes = draft.__dict__.setdefault("_flashdraft_context_passes", {})
-    key = options_key(target.compile_options)
-    if key in passes:
-        return passes[key]
-    compiled = compile_whole(draft.context_kv, target.compile_options, weights=draft)
+    return _once_per_options(draft, "_flashdraft_context_passes", target, _make_context_pass)
+
+
+def _make_context_pass(draft: Any, options: dict[str, Any]) -> Any:
+    compiled = compile_whole(draft.context_kv, options, weights=draft)
 
     def run(features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         width = features.shape[1]
@@ -503,7 +512,6 @@ def draft_context_pass(draft: Any, target: Any) -> Any:
         kvs = _run_compiled(compiled, "the drafter's context projection", features, positions)
         return [(k[:, :, :width].clone(), v[:, :, :width].clone()) for k, v in kvs]
 
-    passes[key] = run
     return run
 
 
@@ -511,7 +519,8 @@ def at_least_two(t: torch.Tensor, dim: int) -> torch.Tensor:
     """`t` with a size of one along `dim` doubled (its one slice repeated), else `t`. dynamo keeps a size of one
     specialised (a graph of its own) even where `symbolic_sizes` marks it: a compiled function whose inputs can be
     one row or column wide runs its one general graph on two, where the rows do not depend on each other, and
-    compiles nothing new in the middle of an answer (an int8 head first met one row there: a 21 s step)."""
+    compiles nothing new in the middle of an answer (the likeliest cause of a 21 s step on the int8 path: a draft
+    pass whose head covered one slot)."""
     return torch.cat([t, t], dim) if t.shape[dim] == 1 else t
 
 
@@ -529,10 +538,10 @@ def draft_head(
     reduced in the same graph; `run(hidden, logits=False)` returns (None, drafts, confidences) from a graph of its
     own that reduces the head's own columns and never writes the V-wide logits (a greedy chain reads nothing else:
     eager, `propose_tokens`' softmax over the expanded logits cost 0.7 ms a draft pass on a 2-core EPYC). `module`:
-    a quantized head (quantize.Int8Linear) compiled as it is, in place of `weight` and `bias`. Eager, this head was most of a CPU
-    draft pass: 25 of 34 ms for SmolLM2's 15 slots through MKL on a 2-core AMD EPYC, 8 ms through inductor's GEMM
-    template (the module docstring). `vocab`: (ids, V) where the head covers the drafter's vocabulary only
-    (draft_vocab.py): the logits come out expanded to V columns, -inf at the others."""
+    a quantized head (quantize.Int8Linear) compiled as it is, in place of `weight` and `bias`. Eager, this head was
+    most of a CPU draft pass: 25 of 34 ms for SmolLM2's 15 slots through MKL on a 2-core AMD EPYC, 8 ms through
+    inductor's GEMM template (the module docstring). `vocab`: (ids, V) where the head covers the drafter's
+    vocabulary only (draft_vocab.py): the logits come out expanded to V columns, -inf at the others."""
     if target.compile_options is None:
         return None
     from .draft_vocab import expand_logits, vocabulary_key
