@@ -146,7 +146,7 @@ class BatchedDFlashProposer(BatchProposer):
                 vocab=None if single.vocab_ids is None else (single.vocab_ids, single.vocab_size),
             )
         )
-        self.head_drafts = compiled_head or None  # (logits, greedy drafts, confidences) in one graph
+        self.head_drafts = compiled_head  # (logits, greedy drafts, confidences) in one graph
         self.head_logits = single.head_logits if compiled_head is None else _logits_of(compiled_head)
         self.cache = self._new_cache()
         self.absorbed: list[int] = []  # context tokens of each row already in the draft cache
@@ -615,7 +615,8 @@ class BatchedDFlashProposer(BatchProposer):
 
 
 def _logits_of(head: Any) -> Any:
-    """The logits alone of a compiled head that also returns its greedy drafts (the cost model times the head)."""
+    """The logits alone of a compiled head that also returns its greedy drafts (DFlash2's candidate selector reads
+    the logits and selects its own drafts)."""
 
     def logits(hidden: torch.Tensor) -> torch.Tensor:
         return head(hidden)[0]
