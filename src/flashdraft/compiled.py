@@ -414,21 +414,27 @@ class VerifyForward:
 
         return hook
 
-    def _forward(
+    def _logits_and_taps(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: Any
-    ) -> tuple[torch.Tensor, ...]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         t = self.target
         logits = t.model(input_ids=input_ids, **t.model_kwargs(cache, mask, position_ids)).logits.float()
         taps = t._concat_taps(self._captured, self.taps) if self.taps else None
+        return logits, taps
+
+    def _forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: Any
+    ) -> tuple[torch.Tensor, ...]:
+        """The compiled graph: the logits and taps, and the greedy accept's reductions fused beside them."""
+        logits, taps = self._logits_and_taps(input_ids, position_ids, mask, cache)
         return logits, taps, logits.argmax(-1), non_finite_rows(logits)
 
     @torch.no_grad()
     def __call__(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: Any
     ) -> TargetOutput:
-        if not self.compiled:
-            logits, taps, tokens, bad = self._forward(input_ids, position_ids, mask, cache)
-            return TargetOutput(logits, taps, (tokens, bad))
+        if not self.compiled:  # eager: the accept reduces the logits itself, where a row is greedy
+            return TargetOutput(*self._logits_and_taps(input_ids, position_ids, mask, cache))
         self._captured.clear()  # the hooks also fire in eager forwards (prefill): the graph always starts empty
         input_ids, position_ids = fresh(input_ids), fresh(position_ids)
         symbolic_sizes(input_ids, 0, 1)  # rows, verify length
@@ -510,7 +516,8 @@ def _make_context_pass(draft: Any, options: dict[str, Any]) -> Any:
         symbolic_sizes(features, 0, 1)  # rows, width
         symbolic_sizes(positions, 0, 1)
         kvs = _run_compiled(compiled, "the drafter's context projection", features, positions)
-        return [(k[:, :, :width].clone(), v[:, :, :width].clone()) for k, v in kvs]
+        # no copies: CPU only (no replayed graph reuses its outputs), and the cache copies them in at once
+        return [(k[:, :, :width], v[:, :, :width]) for k, v in kvs]
 
     return run
 

@@ -183,11 +183,9 @@ def tree_refusal(target: Any) -> str | None:
     family = getattr(target.config, "model_type", None)
     if family not in TREE_FAMILIES:
         return f"a model family ({family}) trees are not verified on (they are: {', '.join(TREE_FAMILIES)})"
-    compiled_cpu = getattr(target, "compile_options", None) is not None and target.device.type == "cpu"
     # logit soft-capping sends attention.py's short queries to SDPA, around the kernel that keeps a node's bits
     softcap = getattr(target.config, "attn_logit_softcapping", None)
-    reduced = target.dtype in (torch.bfloat16, torch.float16)
-    if compiled_cpu and reduced and (softcap or not _tree_invariant(target.dtype)):
+    if _compiled_cpu_reduced(target) and (softcap or not _tree_invariant(target.dtype)):
         # Its chains keep a one-token step's bits (tests/test_static_cache.py); a tree verify is shown to only with
         # cpu_attention's kernel and the pair GEMM kernel (tests/test_tree.py); before them, 1 of 24 bench outputs
         # with trees parted from plain decoding on a near-tie (benchmarks/README.md).
@@ -203,10 +201,13 @@ def tree_budget(target: Any, nodes: int) -> int:
     SDPA, whose bits are not a one-token step's)."""
     from .attention import SHORT_QUERY
 
+    return min(nodes, SHORT_QUERY - 1) if _compiled_cpu_reduced(target) else nodes
+
+
+def _compiled_cpu_reduced(target: Any) -> bool:
+    """Whether `target` verifies on the compiled CPU path in reduced precision (bf16 / fp16)."""
     compiled_cpu = getattr(target, "compile_options", None) is not None and target.device.type == "cpu"
-    if compiled_cpu and target.dtype in (torch.bfloat16, torch.float16):
-        return min(nodes, SHORT_QUERY - 1)
-    return nodes
+    return compiled_cpu and target.dtype in (torch.bfloat16, torch.float16)
 
 
 def _tree_invariant(dtype: torch.dtype) -> bool:
