@@ -4,21 +4,27 @@ share the call; what a scheme cannot run is refused in one line."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+import flashdraft.quantize as quantize_module
 from conftest import (
     HYBRID_ARCHS,
     VOCAB,
+    OracleProposer,
     assert_batched_dflash_is_plain_decoding,
     assert_dflash_is_plain_decoding,
     hybrid_model,
     tiny_model,
 )
-from flashdraft import Target
+from flashdraft import Target, generate, generate_ar
 from flashdraft.model import DFlashDraftModel
 from flashdraft.quantize import (
+    PREFILL_GEMM_ROWS,
     Fp16Linear,
     Int8Linear,
     QuantizeError,
@@ -26,6 +32,7 @@ from flashdraft.quantize import (
     check_quantize,
     default_dtype,
     fp16_available,
+    prefill,
     quantize,
 )
 
@@ -116,6 +123,51 @@ def test_quantize_replaces_every_linear_and_the_head(scheme):
 
 # Jamba is left out: in bf16, with or without int8, one of these sampled runs parts from plain sampling (its batched
 # verify rounds otherwise than a one-token step: the near-tie of bench/mismatches.py, here on a sampling threshold).
+def test_only_a_prompt_s_prefill_takes_int8_layers_through_a_bf16_gemm(monkeypatch):
+    """quantize.prefill: an int8 layer given PREFILL_GEMM_ROWS rows or more of a prompt multiplies them by its
+    dequantized weight in one bf16 GEMM; fewer rows, and every call outside a prefill (a wide verify included),
+    take the int8 kernel. After a long prompt, DFlash still emits plain decoding's tokens, greedy and seeded."""
+    torch.manual_seed(2)
+    layer = Int8Linear(nn.Linear(96, 64).to(torch.bfloat16))
+    x = torch.randn(PREFILL_GEMM_ROWS, 96, dtype=torch.bfloat16)
+    kernel = torch.ops.aten._weight_int8pack_mm(x, layer.weight_int8, layer.scales) + layer.bias
+    assert torch.equal(layer(x), kernel)
+    with prefill():
+        wide, narrow = layer(x), layer(x[1:])
+    assert torch.equal(narrow, kernel[1:])
+    assert torch.equal(wide, F.linear(x, layer.weight_int8.to(torch.bfloat16)) * layer.scales + layer.bias)
+    torch.testing.assert_close(wide.float(), kernel.float(), rtol=2e-2, atol=2e-2)
+
+    calls = []  # (rows, inside a prefill) of every int8 layer call
+    forward = Int8Linear.forward
+
+    def spy(self, inputs):
+        calls.append((inputs.reshape(-1, inputs.shape[-1]).shape[0], quantize_module._PREFILL.get()))
+        return forward(self, inputs)
+
+    monkeypatch.setattr(Int8Linear, "forward", spy)
+    target = Target(quantized("llama", seed=2))
+    draft = DFlashDraftModel.for_target(
+        target.model.config, num_layers=1, block_size=6, mask_token_id=VOCAB - 1, seed=3
+    ).to(torch.bfloat16)
+    prompt_length = PREFILL_GEMM_ROWS + 8
+    ids = torch.randint(3, VOCAB, (1, prompt_length), generator=torch.Generator().manual_seed(4))
+    for temperature in (0.0, 0.9):
+        plain = generate_ar(target, ids, 20, temperature=temperature, seed=1)
+        got = generate(target, draft, ids, 20, temperature=temperature, seed=1, block_size=6)
+        assert got.new_tokens == plain.new_tokens, temperature
+    reference = ids[0].tolist() + generate_ar(target, ids, 60).new_tokens
+    oracle = OracleProposer(reference, VOCAB, block_size=PREFILL_GEMM_ROWS + 4, rng=random.Random(0))
+    assert generate(target, oracle, ids, 60).new_tokens == reference[prompt_length:]
+    assert {rows for rows, inside in calls if inside} == {
+        prompt_length,
+        1,
+    }  # the prompt; its last token's head
+    assert any(
+        rows >= PREFILL_GEMM_ROWS and not inside for rows, inside in calls
+    )  # wide verifies: int8 kernel
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5"])
 def test_dflash_on_a_quantized_target_is_plain_decoding_of_it(arch, scheme):

@@ -208,7 +208,7 @@ class BatchDecoder:
         t0 = time.perf_counter()
         cache = batch_cache(self.target)
         out = self.target.forward(
-            ids, cache, self.proposer.tap_layer_ids, last_logits_only=True, inputs=inputs
+            ids, cache, self.proposer.tap_layer_ids, last_logits_only=True, inputs=inputs, prefill=True
         )
         row.rope_offset = self.target.rope_offset(inputs)
         prompt_len = ids.shape[1]

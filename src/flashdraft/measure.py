@@ -231,7 +231,7 @@ def measure_costs(
 
         else:
             cache = target.new_cache()
-            prefill = target.forward(ids[:, :c], cache, taps)
+            prefill = target.forward(ids[:, :c], cache, taps, prefill=True)
             proposer.start(prefill.features)
 
             def verify(n, c=c, cache=cache):

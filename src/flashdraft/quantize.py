@@ -30,6 +30,9 @@ all 3 to 6 rows high, found once per process by probing the kernel (`_fp16_row_c
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -37,6 +40,9 @@ import torch.nn.functional as F
 from torch import nn
 
 QUANTIZE_SCHEMES = ("int8", "fp16")
+# A prompt's prefill takes an int8 layer through a bf16 GEMM from this many rows (`prefill`): on a 2-core Zen 4 EPYC
+# a 1536 x 576 layer at 16 / 150 rows took 197 / 1809 us through ATen's int8 kernel, 195 / 735 dequantized.
+PREFILL_GEMM_ROWS = 32
 FP16_PROBE_ROWS = 1024  # row counts up to this are padded to one that rounds as a one-row call does
 
 
@@ -82,6 +88,10 @@ class Int8Linear(nn.Module):
             # ATen's int8 kernel with fp32 rows is slower than dequantizing (the module docstring); compiled,
             # the kernel's op is what inductor's GEMM template takes over
             out = F.linear(rows, self.weight_int8.float()) * self.scales
+        elif not torch.compiler.is_compiling() and _PREFILL.get() and rows.shape[0] >= PREFILL_GEMM_ROWS:
+            out = (
+                F.linear(rows, self.weight_int8.to(rows.dtype)) * self.scales
+            )  # a prompt: `prefill` says why
         else:
             out = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales)
         if self.bias is not None:
@@ -93,6 +103,24 @@ class Int8Linear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, {scales} scales"
         )
+
+
+_PREFILL: ContextVar[bool] = ContextVar("flashdraft_int8_prefill", default=False)
+
+
+@contextmanager
+def prefill() -> Iterator[None]:
+    """A prompt's prefill (TargetModel.forward(prefill=True)): inside, an `Int8Linear` with bf16 rows given at least
+    PREFILL_GEMM_ROWS of them dequantizes its weight (exactly: every int8 is a bf16) and runs oneDNN's bf16 GEMM,
+    which is compute-bound where ATen's int8 kernel converts every weight for every few rows: SmolLM2-135M's 150-token
+    prefill took 380 ms through the int8 kernel, a bf16 model's 169 ms. Its rows round otherwise than the int8
+    kernel's (and with their count), so nothing but a prefill runs this way: every method prefills a prompt alike,
+    and a verify or a decode step, whose tokens must have the bits of plain decoding's one-token step, never does."""
+    token = _PREFILL.set(True)
+    try:
+        yield
+    finally:
+        _PREFILL.reset(token)
 
 
 class Fp16Linear(nn.Module):

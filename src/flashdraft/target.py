@@ -12,12 +12,14 @@ import inspect
 import logging
 import warnings
 from collections.abc import Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from .quantize import prefill as quantize_prefill
 
 log = logging.getLogger(__name__)
 
@@ -323,10 +325,13 @@ class Target:
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         inputs: dict[str, Any] | None = None,
+        prefill: bool = False,
     ) -> TargetOutput:
         """Run the target on `input_ids` after what `cache` holds (None: no cache, as in training); tap the
         outputs of `tap_layer_ids`. `inputs`: the processor's other outputs for an image prompt (pixel values, image
-        grids, token types), given to the model with the ids (a prefill).
+        grids, token types), given to the model with the ids (a prefill). `prefill`: the ids are a prompt, which
+        every method prefills alike, so an int8 model may run its wide GEMMs otherwise than a decode step's
+        (quantize.prefill).
 
         A tap of layer i equals Hugging Face `hidden_states[i + 1]` (for the last layer that includes the final
         norm, as in HF), without materialising every layer's states.
@@ -337,7 +342,11 @@ class Target:
         if last_logits_only and self._logits_to_keep_arg:
             kwargs[self._logits_to_keep_arg] = self._last_position(input_ids, tap_layer_ids)
         record = self.recurrent is not None and cache is not None and self._has_state(cache)
-        with self._taps(tap_layer_ids) as captured, self._recording(cache, input_ids.shape[1], record):
+        with (
+            self._taps(tap_layer_ids) as captured,
+            self._recording(cache, input_ids.shape[1], record),
+            quantize_prefill() if prefill and self.quantize == "int8" else nullcontext(),
+        ):
             out = self.model(input_ids=input_ids, **kwargs)
         features = self._concat_taps(captured, tap_layer_ids) if tap_layer_ids else None
         logits = out.logits

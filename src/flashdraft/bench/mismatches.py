@@ -50,7 +50,7 @@ def plain_logits_at(
     cache = target.new_cache()
     ids, inputs = _prompt(target, prompt)
     first = target.forward(
-        ids.to(device), cache, last_logits_only=True, inputs=check_prompt_inputs(target, inputs)
+        ids.to(device), cache, last_logits_only=True, inputs=check_prompt_inputs(target, inputs), prefill=True
     )
     logits = first.logits[0, -1]
     for i in range(last + 1):
