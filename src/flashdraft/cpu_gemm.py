@@ -29,6 +29,9 @@ import torch
 # bf16 7.3 / 10.6 ms against 8.2 / 11.4 with 4 x 48 blocks, int8 5.8 / 9.9 against 8.3 / 14.4, one row alike
 # (benchmarks/scripts/gemm_rows_bf16.py, benchmarks/README.md 2026-11-28).
 PAIR_BLOCK = (8, 48, 2)
+# The pair kernel makes int8 weights bf16 by table lookups for up to this many rows (avx512_vbmi), by conversion for more
+# (`Bf16DotMicroGemm`); read when a graph is compiled (benchmarks/scripts/int8_tables_ab.py sets it).
+INT8_TABLES_ROWS = 4
 BF16_WIDENING_BLOCK = (4, 48, 1)
 
 
@@ -155,7 +158,11 @@ def _bf16_dot_class(micro: Any) -> type:
         time; a B that is not a frozen weight is packed here, per call). inductor's own bf16 kernel converts every
         weight to fp32 and multiplies by FMA: twice the instructions, and past 4 rows compute-bound on a Zen 4 (a
         verify of 8 / 16 tokens 1.9 / 3.0 one-token steps, benchmarks/README.md 2026-11-28). int8 weights are made
-        bf16 as they are loaded, once for all the block's rows (every int8 value is a bf16).
+        bf16 as they are loaded, once for all the block's rows (every int8 value is a bf16): for a block of up to
+        INT8_TABLES_ROWS rows by two byte-table lookups (`vpermi2b`, where the CPU has avx512_vbmi: not Cooper Lake)
+        and two byte unpacks for 64 weights, else by conversion through fp32 (12 instructions for 64). Both give
+        the same bf16 values; on a 2-core Zen 4 EPYC the tables took SmolLM2's decoder int8 linears at 1 / 2 rows
+        from 3.79 / 4.27 to 3.54 / 4.11 ms, no change at 4, 8 and 16 rows (benchmarks/scripts/int8_tables_ab.py).
 
         An output's sum runs over k in pairs, in order, in one lane, from C when accumulating (the template's later
         k blocks), so its bits depend on neither the register block nor the rows beside it."""
@@ -175,6 +182,33 @@ inline void {{kernel_name}}_kernel(
     __m512 vc[BLOCK_M * COLS];
     __m512i vb[COLS];
     __m512i va;
+{%- if input2_dtype == torch.int8 %}
+#if defined(__AVX512VBMI__)
+    constexpr bool LOOKUP = BLOCK_M <= {{int8_tables}};
+    // int8 -> bf16 by table: the high and the low byte of bf16(m) for m = |w| in 0..127 (two registers a table,
+    // vpermi2b reads an index's low 7 bits), the sign put back from w; -128 does not occur (quantize.Int8Linear)
+    alignas(64) static const uint8_t TABLES[256] = {
+{%- for m in range(128) %}{{ int8_bf16_high[m] }},{% endfor %}
+{%- for m in range(128) %}{{ int8_bf16_low[m] }},{% endfor %}
+    };
+    const __m512i high0 = _mm512_load_si512(TABLES), high1 = _mm512_load_si512(TABLES + 64);
+    const __m512i low0 = _mm512_load_si512(TABLES + 128), low1 = _mm512_load_si512(TABLES + 192);
+    const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+    // 64 weights (two vectors' pairs): after the byte unpacks, which work within 128-bit lanes, the first vector
+    // holds the words of bytes 0..31 and the second those of 32..63 only if the 8-byte groups come in this order
+    const __m512i whole = _mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m512i half = _mm512_setr_epi64(0, 0, 1, 1, 2, 2, 3, 3);  // 32 weights (one vector's)
+    auto to_bf16 = [&](__m512i w, __m512i& first, __m512i* second) {
+        const __m512i m = _mm512_abs_epi8(w);
+        const __m512i high = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(high0, m, high1), w, sign, 0xF8);
+        const __m512i low = _mm512_permutex2var_epi8(low0, m, low1);
+        first = _mm512_unpacklo_epi8(low, high);
+        if (second != nullptr) *second = _mm512_unpackhi_epi8(low, high);
+    };
+#else
+    constexpr bool LOOKUP = false;  // no byte permutes (avx512_vbmi) on this CPU
+#endif
+{%- endif %}
     c10::ForcedUnroll<BLOCK_M * COLS>{}([&](auto i) {
         constexpr int row = i / COLS;
         constexpr int col = i % COLS;
@@ -195,11 +229,24 @@ inline void {{kernel_name}}_kernel(
         }
         if constexpr (row == 0) {
 {%- if input2_dtype == torch.int8 %}
-            // 32 int8 weights (16 columns' pairs), each exactly a bf16: sign-extended, to fp32, to bf16
-            const __m256i b8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B + k * ldb + col * 32));
-            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b8)));
-            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b8, 1)));
-            vb[col] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+            // int8 weights, each exactly a bf16. Up to 4 rows by the tables, 64 at a time (two columns' vectors),
+            // 32 for a last odd one; more rows, whose products keep the vector units busy, by conversion (fewer
+            // shuffles): sign-extended to int32, to fp32, to bf16
+            const int8_t* w = B + k * ldb + col * 32;
+#if defined(__AVX512VBMI__)
+            if constexpr (LOOKUP && col % 2 == 0 && col + 1 < COLS) {
+                to_bf16(_mm512_permutexvar_epi64(whole, _mm512_loadu_si512(w)), vb[col], &vb[col + 1]);
+            } else if constexpr (LOOKUP && col % 2 == 0) {
+                const __m512i w32 = _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+                to_bf16(_mm512_permutexvar_epi64(half, w32), vb[col], nullptr);
+            }
+#endif
+            if constexpr (!LOOKUP) {
+                const __m256i b8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b8)));
+                const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b8, 1)));
+                vb[col] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+            }
 {%- else %}
             vb[col] = _mm512_loadu_si512(reinterpret_cast<const void*>(B + k * ldb + col * 32));
 {%- endif %}
@@ -256,6 +303,9 @@ inline void {{kernel_name}}_kernel(
 
         def codegen_define(self, kernel: Any) -> str:
             options = {
+                "int8_tables": INT8_TABLES_ROWS,
+                "int8_bf16_high": [_bf16_bits(m) >> 8 for m in range(128)],
+                "int8_bf16_low": [_bf16_bits(m) & 0xFF for m in range(128)],
                 "declare_kernel": self.get_kernel_declaration(),
                 "kernel": kernel,
                 "block_m": self.register_blocking.block_m,
@@ -269,3 +319,8 @@ inline void {{kernel_name}}_kernel(
             return micro.LayoutType.VNNI2
 
     return Bf16DotMicroGemm
+
+
+def _bf16_bits(value: int) -> int:
+    """The 16 bits of `value` as a bf16 (exact for |value| <= 256)."""
+    return int(torch.tensor(float(value), dtype=torch.bfloat16).view(torch.int16).item()) & 0xFFFF

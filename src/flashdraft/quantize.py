@@ -58,7 +58,9 @@ class Int8Linear(nn.Module):
         weight = linear.weight.detach().float()
         scales = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
         scales = scales.to(compute_dtype)  # the scale the kernel applies, rounded once here
-        quantized = torch.round(weight / scales.float()[:, None]).clamp(-128, 127).to(torch.int8)
+        quantized = (
+            torch.round(weight / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        )  # no -128: cpu_gemm
         self.register_buffer("weight_int8", quantized.contiguous())
         self.register_buffer("scales", scales.contiguous())
         bias = linear.bias
