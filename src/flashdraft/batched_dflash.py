@@ -412,17 +412,17 @@ class BatchedDFlashProposer(BatchProposer):
         """(shared number of proposals n, expected batch tokens/s) over n = 0..max_n; `expectations[i][k]`: row i's
         expected tokens when k of its proposals are verified (`expected_tokens`, `DraftTree.expected_tokens`)."""
         b = len(expectations)
-        expected = torch.zeros(max_n + 1)
+        expected = [0.0] * (max_n + 1)  # in Python floats: a few short lists, twice a step
         for e in expectations:
-            e = e[: max_n + 1]
-            expected += torch.cat([e, e[-1:].expand(max_n + 1 - len(e))])
+            values = e.tolist()
+            last = len(values) - 1
+            for k in range(max_n + 1):
+                expected[k] += values[min(k, last)]
         tokens_per_row = self._padded(torch.arange(1, max_n + 2))
-        step_s = propose_s + self.costs.verify_s(b * tokens_per_row, context) * self._verify_ratios(
-            b, tokens_per_row
-        )
-        rates = expected / step_s
-        n = int(torch.argmax(rates))
-        return n, float(rates[n])
+        verify_s = self.costs.verify_s(b * tokens_per_row, context) * self._verify_ratios(b, tokens_per_row)
+        rates = [e / (propose_s + s) for e, s in zip(expected, verify_s.tolist(), strict=True)]
+        n = max(range(max_n + 1), key=rates.__getitem__)  # the first best, as torch.argmax
+        return n, rates[n]
 
     @torch.no_grad()
     def propose(self, rows: list[BatchRow], max_drafts: list[int]) -> list[torch.Tensor]:

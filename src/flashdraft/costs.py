@@ -8,6 +8,7 @@ is measure.py.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -35,14 +36,16 @@ class CostModel:
 
     def verify_s(self, n: int | torch.Tensor, context: int) -> torch.Tensor:
         """Seconds for a target forward over n tokens after `context` cached ones (n may be a tensor)."""
-        n = torch.as_tensor(n, dtype=torch.float32)
-        xs = torch.tensor(self.lengths, dtype=torch.float32)
-        ys = torch.tensor(self.verify_base) + torch.tensor(self.verify_slope) * context
         # Priced as measured: a longer verify can really cost less than a shorter one (on the 2-core AMD EPYC of
         # benchmarks/README.md, 5-8 tokens verify faster than 2-4, in every session: the CPU's GEMM kernels differ
         # by row count), and pricing a smoothed curve made the policy verify 8 where 5 was cheaper (1.51x vs
-        # 1.86x). Timing noise must never price a verify at or below zero.
-        return _interp(n, xs, ys.clamp(min=1e-6))
+        # 1.86x). Timing noise must never price a verify at or below zero. In Python floats: the policy asks
+        # several times a step, and the same in tensor ops took 55 us a call.
+        ys = [max(b + s * context, 1e-6) for b, s in zip(self.verify_base, self.verify_slope, strict=True)]
+        counts = n.tolist() if isinstance(n, torch.Tensor) else n
+        if isinstance(counts, list):
+            return torch.tensor([_interp(float(x), self.lengths, ys) for x in counts], dtype=torch.float32)
+        return torch.tensor(_interp(float(counts), self.lengths, ys), dtype=torch.float32)
 
     def step_s(self, max_proposals: int, context: int, propose_s: float) -> torch.Tensor:
         """[max_proposals + 1]: seconds of a step that verifies 0..max_proposals proposals after paying propose_s."""
@@ -74,11 +77,11 @@ class CostModel:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
-def _interp(x: torch.Tensor, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+def _interp(x: float, xs: list[int], ys: list[float]) -> float:
     """Piecewise-linear interpolation; past the last measured length, linear extrapolation that never falls
     below the last measurement (a noisy last segment must not make longer verifies look cheaper)."""
-    x = x.clamp(min=float(xs[0]))
-    i = torch.searchsorted(xs, x.contiguous(), right=True).clamp(1, len(xs) - 1)
+    x = max(x, xs[0])
+    i = min(max(bisect.bisect_right(xs, x), 1), len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
     y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    return torch.where(x > xs[-1], torch.maximum(y, ys[-1]), y)
+    return max(y, ys[-1]) if x > xs[-1] else y
