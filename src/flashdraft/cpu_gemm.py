@@ -29,8 +29,8 @@ import torch
 # bf16 7.3 / 10.6 ms against 8.2 / 11.4 with 4 x 48 blocks, int8 5.8 / 9.9 against 8.3 / 14.4, one row alike
 # (benchmarks/scripts/gemm_rows_bf16.py, benchmarks/README.md 2026-11-28).
 PAIR_BLOCK = (8, 48, 2)
-# The pair kernel makes int8 weights bf16 by table lookups for up to this many rows (avx512_vbmi), by conversion for more
-# (`Bf16DotMicroGemm`); read when a graph is compiled (benchmarks/scripts/int8_tables_ab.py sets it).
+# The pair kernel makes int8 weights bf16 by table lookups for up to this many rows (avx512_vbmi), by conversion
+# for more (`Bf16DotMicroGemm`); read when a graph is compiled (benchmarks/scripts/int8_tables_ab.py sets it).
 INT8_TABLES_ROWS = 4
 BF16_WIDENING_BLOCK = (4, 48, 1)
 
@@ -229,7 +229,7 @@ inline void {{kernel_name}}_kernel(
         }
         if constexpr (row == 0) {
 {%- if input2_dtype == torch.int8 %}
-            // int8 weights, each exactly a bf16. Up to 4 rows by the tables, 64 at a time (two columns' vectors),
+            // int8 weights, each exactly a bf16. Up to INT8_TABLES_ROWS rows by the tables, 64 at a time (two vectors),
             // 32 for a last odd one; more rows, whose products keep the vector units busy, by conversion (fewer
             // shuffles): sign-extended to int32, to fp32, to bf16
             const int8_t* w = B + k * ldb + col * 32;

@@ -58,9 +58,8 @@ class Int8Linear(nn.Module):
         weight = linear.weight.detach().float()
         scales = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
         scales = scales.to(compute_dtype)  # the scale the kernel applies, rounded once here
-        quantized = (
-            torch.round(weight / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
-        )  # no -128: cpu_gemm
+        # symmetric, -127..127 (never -128: the pair kernel's int8 -> bf16 tables read |w|, cpu_gemm.py)
+        quantized = torch.round(weight / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
         self.register_buffer("weight_int8", quantized.contiguous())
         self.register_buffer("scales", scales.contiguous())
         bias = linear.bias
@@ -91,9 +90,8 @@ class Int8Linear(nn.Module):
             # the kernel's op is what inductor's GEMM template takes over
             out = F.linear(rows, self.weight_int8.float()) * self.scales
         elif not torch.compiler.is_compiling() and _PREFILL.get() and rows.shape[0] >= PREFILL_GEMM_ROWS:
-            out = (
-                F.linear(rows, self.weight_int8.to(rows.dtype)) * self.scales
-            )  # a prompt: `prefill` says why
+            # a prompt's rows through a bf16 GEMM (`prefill` says why); dynamo never reads the flag
+            out = F.linear(rows, self.weight_int8.to(rows.dtype)) * self.scales
         else:
             out = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales)
         if self.bias is not None:
