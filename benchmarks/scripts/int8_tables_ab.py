@@ -16,32 +16,27 @@ from flashdraft.quantize import Int8Linear
 torch.set_num_threads(2)
 
 
-class Decoder(nn.Module):
+SHAPES = {"q": (576, 576), "gate": (1536, 576), "up": (1536, 576), "down": (576, 1536)}  # (out, in)
+
+
+class Int8Decoder(nn.Module):
+    """30 layers of SmolLM2's q, gate, up and down shapes as int8 layers (bf16 rows), each fed RMS-normed rows so
+    that random weights keep every value finite."""
+
     def __init__(self) -> None:
         super().__init__()
+        torch.manual_seed(0)
         self.layers = nn.ModuleList(
-            nn.ModuleDict(
-                dict(q=nn.Linear(576, 576, bias=False), gate=nn.Linear(576, 1536, bias=False),
-                     up=nn.Linear(576, 1536, bias=False), down=nn.Linear(1536, 576, bias=False))
-            )
+            nn.ModuleDict({name: Int8Linear(nn.Linear(i, o, bias=False), torch.bfloat16) for name, (o, i) in SHAPES.items()})
             for _ in range(30)
-        )  # fmt: skip
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:  # normed inputs, so that random weights keep every value finite
-            x = x + layer["q"](nn.functional.rms_norm(x, (576,)))
-            h = nn.functional.rms_norm(x, (576,))
-            x = x + layer["down"](nn.functional.silu(layer["gate"](h)) * layer["up"](h))
+        norm = lambda t: nn.functional.rms_norm(t, (576,))  # noqa: E731
+        for layer in self.layers:
+            x = x + layer["q"](norm(x))
+            x = x + layer["down"](nn.functional.silu(layer["gate"](norm(x))) * layer["up"](norm(x)))
         return x
-
-
-def int8_decoder() -> nn.Module:
-    torch.manual_seed(0)
-    model = Decoder().bfloat16().eval()
-    for layer in model.layers:
-        for name in list(layer):
-            layer[name] = Int8Linear(layer[name].float(), torch.bfloat16)
-    return model
 
 
 ROWS = (1, 2, 4, 8, 16)
@@ -50,7 +45,7 @@ variants = {}
 with torch.no_grad():
     for tables in (0, 4, 8):
         G.INT8_TABLES_ROWS = tables
-        model = int8_decoder()
+        model = Int8Decoder().eval()
         fn = C.compile_whole(model, C.compile_options(torch.device("cpu")), weights=model)
         outs = {rows: fn(x) for rows, x in inputs.items()}  # compiled now, with this setting
         variants[tables] = (fn, outs)

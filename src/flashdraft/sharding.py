@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .target import Target, TargetError, _find_decoder_layers, parse_device, parse_dtype
+from .model_parts import decoder_layers
+from .target import Target, TargetError, parse_device, parse_dtype
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -51,7 +52,9 @@ def shard_decoder(model: nn.Module, mesh: Any) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     num_layers = int(_text_config(model).num_hidden_layers)
-    layers = _find_decoder_layers(model, num_layers)
+    layers = decoder_layers(model, num_layers)
+    if layers is None:
+        raise TargetError(f"cannot find the {num_layers} decoder layers of {type(model).__name__}")
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
     get_decoder = getattr(model, "get_decoder", None)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .model_parts import causal_lm_class, decoder_layers, final_norm, image_text_class, mrope_refusal
 from .quantize import prefill as quantize_prefill
 
 log = logging.getLogger(__name__)
@@ -41,55 +42,6 @@ class TargetOutput:
     greedy: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-def _find_decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
-    """The ModuleList holding the decoder layers (model.model.layers for most families; in an image-text model the
-    language model's, searched first: a vision tower may have as many blocks)."""
-    get_decoder = getattr(model, "get_decoder", None)
-    decoder = get_decoder() if callable(get_decoder) else None
-    for root in (decoder, model) if isinstance(decoder, nn.Module) else (model,):
-        candidates = [
-            (name, m)
-            for name, m in root.named_modules()
-            if isinstance(m, nn.ModuleList) and len(m) == num_layers
-        ]
-        if candidates:
-            break
-    if not candidates:
-        raise TargetError(f"cannot find the {num_layers} decoder layers of {type(model).__name__}")
-    return min(candidates, key=lambda c: c[0].count("."))[1]
-
-
-def _mrope_refusal(model: nn.Module, mrope: nn.Module | None) -> str | None:
-    """Why a multimodal-RoPE target cannot be decoded exactly here, or None. The engine gives such a model explicit
-    [4, b, n] positions on every step (`Target.model_positions`: the text positions the mask is built from, then the
-    three rotary ones), which its language model must split; transformers' Qwen-VL, Qwen3.5, GLM-4V, ERNIE-VL, ...
-    do (`position_ids.shape[0] == 4`). One that does not would read the four rows as rotary sections: refused before
-    decoding rather than decoded wrong."""
-    if mrope is None:
-        return None
-    get_decoder = getattr(model, "get_decoder", None)
-    decoder = get_decoder() if callable(get_decoder) else None
-    try:
-        source = inspect.getsource(type(decoder).forward)
-    except (AttributeError, OSError, TypeError):
-        source = ""
-    if "shape[0] == 4" in source:
-        return None
-    kind = getattr(model.config, "model_type", type(model).__name__)
-    return (
-        f"its multimodal RoPE ({kind}) takes no text positions beside the rotary ones ([4, batch, tokens]), which "
-        "the engine gives every decode step"
-    )
-
-
-def _find_final_norm(model: nn.Module) -> nn.Module | None:
-    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
-    for attr in ("norm", "final_layernorm", "ln_f", "final_norm", "norm_f"):
-        if isinstance(getattr(base, attr, None), nn.Module):
-            return getattr(base, attr)
-    return None
-
-
 class Target:
     """A frozen target model: `embed`, `lm_head_logits`, `forward` with layer taps, and cache rollback."""
 
@@ -110,14 +62,17 @@ class Target:
         cfg = model.config
         self.config = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         self.num_layers = int(self.config.num_hidden_layers)
-        self.layers = _find_decoder_layers(model, self.num_layers)
+        layers = decoder_layers(model, self.num_layers)
+        if layers is None:
+            raise TargetError(f"cannot find the {self.num_layers} decoder layers of {type(model).__name__}")
+        self.layers = layers
         self.embed_tokens = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()
         if self.lm_head is None:
             raise TargetError(f"{type(model).__name__} has no LM head: flashdraft needs a causal LM")
         self.hidden_size = int(self.embed_tokens.weight.shape[1])
         self.vocab_size = int(self.embed_tokens.weight.shape[0])  # embedding rows (may exceed the tokenizer)
-        self._final_norm = _find_final_norm(model)
+        self._final_norm = final_norm(model)
         self._softcap = getattr(self.config, "final_logit_softcapping", None)
         # Old transformers scaled Gemma embeddings in the model forward, not in the embedding module.
         self._embed_scale = 1.0
@@ -145,7 +100,7 @@ class Target:
 
         # None: decoding is exact here
         support = decoding_support(model.config, type(model), model)
-        self.unsupported_reason = support or _mrope_refusal(model, self._mrope)
+        self.unsupported_reason = support or mrope_refusal(model, self._mrope)
         # Recurrent state (GatedDeltaNet, Mamba): rolled back by snapshot + replay, not by a crop.
         self.recurrent = (
             RecurrentRollback(model)
@@ -669,7 +624,7 @@ def load_target(
         image_text = image_text_class(config)
         if images and image_text is None:
             raise TargetError(f"target {name_or_path!r} is a text-only model: it cannot take images")
-        if image_text is not None and (images or not _causal_lm_class(config)):
+        if image_text is not None and (images or not causal_lm_class(config)):
             from transformers import AutoProcessor
 
             model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
@@ -692,16 +647,3 @@ def load_target(
         if packed_linear.wanted(model, dtype, device):
             packed_linear.pack_linears(model)
     return Target(model, tokenizer, name=name_or_path, processor=processor)
-
-
-def _causal_lm_class(config: Any) -> bool:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return getattr(config, "model_type", None) in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-
-def image_text_class(config: Any) -> str | None:
-    """The image-text-to-text class transformers has for this config, if any."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-
-    return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(getattr(config, "model_type", None))

@@ -146,6 +146,7 @@ def generate_command(
     from ..compiled import compile_options
     from ..generate import GenerationError, generate, generate_ar
     from ..model import DFlashDraftModel, load_drafter_config
+    from ..model_parts import image_text_class
     from ..multimodal import ImageError, encode_image_prompt, load_image
     from ..packs import resolve_model
     from ..progress import busy_machine_warning, quiet_libraries
@@ -155,7 +156,6 @@ def generate_command(
         TargetError,
         check_decodable_config,
         check_drafter_fits_config,
-        image_text_class,
         load_target,
         parse_device,
         parse_dtype,
