@@ -161,8 +161,9 @@ def _bf16_dot_class(micro: Any) -> type:
         bf16 as they are loaded, once for all the block's rows (every int8 value is a bf16): for a block of up to
         INT8_TABLES_ROWS rows by two byte-table lookups (`vpermi2b`, where the CPU has avx512_vbmi: not Cooper Lake)
         and two byte unpacks for 64 weights, else by conversion through fp32 (12 instructions for 64). Both give
-        the same bf16 values; on a 2-core Zen 4 EPYC the tables took SmolLM2's decoder int8 linears at 1 / 2 rows
-        from 3.79 / 4.27 to 3.54 / 4.11 ms, no change at 4, 8 and 16 rows (benchmarks/scripts/int8_tables_ab.py).
+        the same bf16 values; on a 2-core Zen 4 EPYC the tables took SmolLM2's decoder int8 linears at one row from
+        3.79 to 3.54 ms and from 3.73 to 3.65 in two runs, within the noise at more rows
+        (benchmarks/scripts/int8_tables_ab.py).
 
         An output's sum runs over k in pairs, in order, in one lane, from C when accumulating (the template's later
         k blocks), so its bits depend on neither the register block nor the rows beside it."""
