@@ -110,7 +110,7 @@ _PREFILL: ContextVar[bool] = ContextVar("flashdraft_int8_prefill", default=False
 
 @contextmanager
 def prefill() -> Iterator[None]:
-    """A prompt's prefill (TargetModel.forward(prefill=True)): inside, an `Int8Linear` with bf16 rows given at least
+    """A prompt's prefill (Target.forward(prefill=True)): inside, an `Int8Linear` with bf16 rows given at least
     PREFILL_GEMM_ROWS of them dequantizes its weight (exactly: every int8 is a bf16) and runs oneDNN's bf16 GEMM,
     which is compute-bound where ATen's int8 kernel converts every weight for every few rows: SmolLM2-135M's 150-token
     prefill took 380 ms through the int8 kernel, a bf16 model's 169 ms. Its rows round otherwise than the int8
