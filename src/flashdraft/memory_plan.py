@@ -61,17 +61,12 @@ def target_shape(config: Any, name: str = "target") -> TargetShape:
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from .model_parts import causal_lm_class, decoder_layers, image_text_class
-    from .target import TargetError
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     whole = image_text_class(config) is not None and not causal_lm_class(config)
     with torch.device("meta"):
         model = (AutoModelForImageTextToText if whole else AutoModelForCausalLM).from_config(config)
     layers = decoder_layers(model, int(text.num_hidden_layers))
-    if layers is None:
-        raise TargetError(
-            f"cannot find the {text.num_hidden_layers} decoder layers of {type(model).__name__}"
-        )
     layer_params = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     total = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
     h = int(text.hidden_size)

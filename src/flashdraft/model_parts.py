@@ -1,7 +1,7 @@
 """Where a Hugging Face model keeps what the engine reads, found by shape and name rather than by family: its decoder
 layers and final norm, the auto class that loads it (causal LM or image-text), and whether its multimodal RoPE
-takes the positions the engine gives it. Config and module lookups only; `target.Target` and the memory planner
-(memory_plan.py) and FSDP2 sharding (sharding.py) use them."""
+takes the positions the engine gives it; and `TargetError`, what a lookup that fails raises. Config and module
+lookups only; `target.Target`, the memory planner (memory_plan.py) and FSDP2 sharding (sharding.py) use them."""
 
 from __future__ import annotations
 
@@ -11,9 +11,13 @@ from typing import Any
 from torch import nn
 
 
-def decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList | None:
+class TargetError(ValueError):
+    """The target model cannot be used as asked (target.py re-exports it, where its users import it from)."""
+
+
+def decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
     """The ModuleList holding the decoder layers (model.model.layers for most families; in an image-text model the
-    language model's, searched first: a vision tower may have as many blocks), or None where there is none."""
+    language model's, searched first: a vision tower may have as many blocks)."""
     get_decoder = getattr(model, "get_decoder", None)
     decoder = get_decoder() if callable(get_decoder) else None
     for root in (decoder, model) if isinstance(decoder, nn.Module) else (model,):
@@ -25,7 +29,7 @@ def decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList | None:
         if candidates:
             break
     if not candidates:
-        return None
+        raise TargetError(f"cannot find the {num_layers} decoder layers of {type(model).__name__}")
     return min(candidates, key=lambda c: c[0].count("."))[1]
 
 

@@ -53,8 +53,6 @@ def shard_decoder(model: nn.Module, mesh: Any) -> nn.Module:
 
     num_layers = int(_text_config(model).num_hidden_layers)
     layers = decoder_layers(model, num_layers)
-    if layers is None:
-        raise TargetError(f"cannot find the {num_layers} decoder layers of {type(model).__name__}")
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
     get_decoder = getattr(model, "get_decoder", None)

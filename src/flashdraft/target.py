@@ -19,14 +19,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from .model_parts import causal_lm_class, decoder_layers, final_norm, image_text_class, mrope_refusal
+from .model_parts import (  # TargetError lives there (decoder_layers raises it); the package imports it from here
+    TargetError,
+    causal_lm_class,
+    decoder_layers,
+    final_norm,
+    image_text_class,
+    mrope_refusal,
+)
 from .quantize import prefill as quantize_prefill
 
 log = logging.getLogger(__name__)
-
-
-class TargetError(ValueError):
-    """The target model cannot be used as asked."""
 
 
 class DraftTargetMismatchError(TargetError):
@@ -62,10 +65,7 @@ class Target:
         cfg = model.config
         self.config = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         self.num_layers = int(self.config.num_hidden_layers)
-        layers = decoder_layers(model, self.num_layers)
-        if layers is None:
-            raise TargetError(f"cannot find the {self.num_layers} decoder layers of {type(model).__name__}")
-        self.layers = layers
+        self.layers = decoder_layers(model, self.num_layers)
         self.embed_tokens = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()
         if self.lm_head is None:
