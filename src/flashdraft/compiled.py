@@ -286,8 +286,7 @@ def _register_int8_concat_linear() -> None:
     `Int8Linear` calls. On a 2-core AMD EPYC (avx2) SmolLM2-135M's int8 x fp32 step ran 211 GEMMs of 7-39 us each;
     121 GEMMs do the same work with fewer calls and wider outputs per call (benchmarks/README.md). Every output
     column is still its row's dot product with its weight row, summed as the template sums any row (tested at the
-    fused widths). With fp32 activations only: bf16 rows keep one GEMM per layer, their bits at the fused widths not
-    checked on a CPU with bf16 instructions."""
+    fused widths), for the rows of `int8_concat_row_dtypes`."""
     if getattr(_register_int8_concat_linear, "done", False):
         return
     _register_int8_concat_linear.done = True
@@ -302,12 +301,13 @@ def _register_int8_concat_linear() -> None:
     int8_mm = torch.ops.aten._weight_int8pack_mm.default
 
     def frozen(match: Any, names: tuple[str, ...]) -> bool:
-        """fp32 rows, and the weights and scales the graph's constants, in a graph compile_whole freezes."""
+        """Rows of `int8_concat_row_dtypes`, and the weights and scales the graph's constants, in a graph
+        compile_whole freezes."""
         rows = match.kwargs["x"].meta.get("val")
         return (
             getattr(_THREAD, "one_gemm_choice", False)
             and rows is not None
-            and rows.dtype == torch.float32
+            and rows.dtype in int8_concat_row_dtypes()
             and all(match.kwargs[name].op == "get_attr" for name in names)
         )
 
@@ -342,6 +342,16 @@ def _register_int8_concat_linear() -> None:
             extra_check=functools.partial(frozen, names=names),
             exclusive_arg_names=names,
         )
+
+
+def int8_concat_row_dtypes() -> tuple[torch.dtype, ...]:
+    """The rows whose int8 layers of one input `_register_int8_concat_linear` makes one GEMM: fp32 (the template's
+    fp32 kernel), and bf16 where cpu_gemm's pair kernel serves them (avx512_bf16), which sums a column in one order
+    at any width. inductor's own bf16 x int8 kernels, elsewhere, are left as they are."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    pairs = getattr(pick_vec_isa(), "is_avx512_bf16_supported", lambda: False)()
+    return (torch.float32, torch.bfloat16) if pairs else (torch.float32,)
 
 
 def _register_one_gemm_choice() -> None:
@@ -446,10 +456,10 @@ class VerifyForward:
             self._fn, f"{self.target.name}'s verify", input_ids, position_ids, mask, cache
         )
         self._captured.clear()  # the graph's own memory: not held past the call
-        # A replayed graph writes its outputs into the same memory next time: keep copies.
-        return TargetOutput(
-            logits.clone(), None if taps is None else taps.clone(), (tokens.clone(), bad.clone())
-        )
+        if self.target.device.type == "cuda":  # a replayed CUDA graph writes its outputs into the same memory next
+            # time: keep copies (on a CPU every call's outputs are new tensors; the logits' copy cost 30-60 us)
+            logits, taps, tokens, bad = (None if t is None else t.clone() for t in (logits, taps, tokens, bad))
+        return TargetOutput(logits, taps, (tokens, bad))
 
 
 def verify_forward(target: Any, tap_layer_ids: Sequence[int]) -> VerifyForward:

@@ -10,6 +10,7 @@ anything it cannot is refused by name.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 
+@functools.cache  # asked per cache layer at every crop: 60 times a step for SmolLM2
 def _cache_classes() -> tuple[type, type | None, type | None]:
     """(full-attention layer class, its base mixin, linear-attention mixin) of this transformers, if it has them."""
     import transformers.cache_utils as cu
