@@ -456,9 +456,12 @@ class VerifyForward:
             self._fn, f"{self.target.name}'s verify", input_ids, position_ids, mask, cache
         )
         self._captured.clear()  # the graph's own memory: not held past the call
-        if self.target.device.type == "cuda":  # a replayed CUDA graph writes its outputs into the same memory next
-            # time: keep copies (on a CPU every call's outputs are new tensors; the logits' copy cost 30-60 us)
-            logits, taps, tokens, bad = (None if t is None else t.clone() for t in (logits, taps, tokens, bad))
+        # A replayed CUDA graph writes its outputs into the same memory next time: keep copies. On a CPU every
+        # call's outputs are new tensors (the logits' copy cost 30-60 us).
+        if self.target.device.type == "cuda":
+            logits, taps, tokens, bad = (
+                None if t is None else t.clone() for t in (logits, taps, tokens, bad)
+            )
         return TargetOutput(logits, taps, (tokens, bad))
 
 
