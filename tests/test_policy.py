@@ -158,6 +158,30 @@ def test_measured_costs_are_positive_and_cover_the_block(tiny):
     assert costs.draft_slot_s >= 0 and costs.draft_batch_s(1, 32, skipped_slots=3) <= costs.draft_s(32)
 
 
+def test_verify_lengths_are_timed_in_interleaved_rounds(monkeypatch):
+    """The cost model times its verify lengths in rounds, each length once a round after a warm-up of each, so a
+    slow stretch of the machine prices them alike: here the clock runs slow for the first three calls after the
+    warm-ups, and every length still gets its own median."""
+    import flashdraft.measure as measure
+
+    calls, clock = [], iter(range(1000))
+    slow = {"left": 3}
+
+    def timed(i: int):
+        def fn() -> None:
+            calls.append(i)
+            if len(calls) > 3 and slow["left"] > 0:  # one slow call of every length in the first round
+                slow["left"] -= 1
+                next(clock), next(clock), next(clock)  # three ticks more inside the timing
+
+        return fn
+
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: float(next(clock)))
+    medians = measure.interleaved_medians([timed(0), timed(1), timed(2)], repeats=3)
+    assert calls == [0, 1, 2] + [0, 1, 2] * 3  # warm-ups, then rounds
+    assert medians == [1.0, 1.0, 1.0]  # the slow round is each length's outlier, not one length's price
+
+
 def test_a_draft_pass_whose_head_skips_slots_is_priced_without_them():
     """The lazy head (the first slots only) is priced as it runs: the head's price per slot and row off for each
     slot it skipped, never below a quarter of the whole pass (the drafter's layers run whatever the head covers)."""

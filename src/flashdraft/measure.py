@@ -149,15 +149,25 @@ def load_or_measure_costs(target: Any, draft: Any, cache: bool = True, log: Any 
 
 def median_seconds(fn, repeats: int) -> float:
     """Median wall time of `fn()` over `repeats` calls after one warm-up (CUDA synchronised)."""
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+    return interleaved_medians([fn], repeats)[0]
+
+
+def interleaved_medians(fns: list[Any], repeats: int) -> list[float]:
+    """Median wall time of each of `fns` after one warm-up call each, over `repeats` rounds that call every one once
+    in turn (CUDA synchronised): a slow stretch of the machine weighs on all of them alike, not on whichever was
+    timed first. Timed one after another, a bf16 price list (2-core EPYC VM) had a plain step at 14.3 ms where
+    decoding took 11.2, and a 4-token verify at 0.88 of it (benchmarks/README.md, 2026-11-29 evening)."""
+    for fn in fns:  # warm-up (a compiled length compiles here)
         fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, spent in zip(fns, times, strict=True):
+            t0 = time.perf_counter()
+            fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            spent.append(time.perf_counter() - t0)
+    return [statistics.median(spent) for spent in times]
 
 
 @torch.no_grad()
@@ -242,7 +252,7 @@ def measure_costs(
             def draft_pass(c=c):
                 proposer.draft_confidences(int(ids[0, c]), c, block - 1)
 
-        per_context.append([median_seconds(lambda n=n: verify(n), repeats) for n in lengths])
+        per_context.append(interleaved_medians([lambda n=n: verify(n) for n in lengths], repeats))
         draft_times.append(median_seconds(draft_pass, repeats))
         if slot_s is None:  # the head the engine drafts with, over one slot and over all of them
             head = engine.proposer.chain_head if static else proposer.head_logits
