@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from .cpu_gemm import register_cpu_gemm_kernels
+from .cpu_gemm import pairs_serve_bf16, register_cpu_gemm_kernels
 from .kv_cache import static_refusal, symbolic_sizes
 from .sampling import non_finite_rows
 from .target import TargetError, TargetOutput
@@ -348,10 +348,7 @@ def int8_concat_row_dtypes() -> tuple[torch.dtype, ...]:
     """The rows whose int8 layers of one input `_register_int8_concat_linear` makes one GEMM: fp32 (the template's
     fp32 kernel), and bf16 where cpu_gemm's pair kernel serves them (avx512_bf16), which sums a column in one order
     at any width. inductor's own bf16 x int8 kernels, elsewhere, are left as they are."""
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-    pairs = getattr(pick_vec_isa(), "is_avx512_bf16_supported", lambda: False)()
-    return (torch.float32, torch.bfloat16) if pairs else (torch.float32,)
+    return (torch.float32, torch.bfloat16) if pairs_serve_bf16() else (torch.float32,)
 
 
 def _register_one_gemm_choice() -> None:

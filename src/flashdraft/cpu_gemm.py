@@ -56,6 +56,17 @@ def register_cpu_gemm_kernels(without: frozenset[str] = frozenset()) -> None:
         _bf16_widening_four_rows(micro, configs, VecAVX512, pairs="bf16-pairs" not in without)
     if "bf16-pairs" not in without:
         _bf16_pairs(micro, configs, VecAVX512)
+        register_cpu_gemm_kernels.pairs = True
+
+
+def pairs_serve_bf16() -> bool:
+    """Whether `Bf16DotMicroGemm` serves this process's bf16 GEMMs: registered (`register_cpu_gemm_kernels`, not
+    left out by a benchmark's `without`) and the CPU has avx512_bf16 (`_pairs_serve`)."""
+    if not getattr(register_cpu_gemm_kernels, "pairs", False):
+        return False
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return bool(getattr(pick_vec_isa(), "is_avx512_bf16_supported", lambda: False)())
 
 
 def _fp32_int8(micro: Any, configs: list[Any], avx2: type, avx512: type) -> None:
