@@ -15,6 +15,7 @@ there; its graphs are made by a warm-up first); `--json FILE` keeps the figures.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 
@@ -190,14 +191,14 @@ class forward_timer:
 
     def _pre(self, module, _args) -> None:
         if self._depth == 0:
-            _sync(next(module.parameters()).device)
+            _sync(_device_of(module))
             self._started = time.perf_counter()
         self._depth += 1
 
     def _post(self, module, _args, _out) -> None:
         self._depth -= 1
         if self._depth == 0:
-            _sync(next(module.parameters()).device)
+            _sync(_device_of(module))
             self.seconds += time.perf_counter() - self._started
 
     def remove(self) -> None:
@@ -205,6 +206,14 @@ class forward_timer:
             handle.remove()
         for owner, name, original in self._wrapped:
             setattr(owner, name, original)
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    """Where a timed module runs: its first parameter's device, else its first buffer's (a packed head keeps its
+    weights as buffers), else the CPU."""
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        return tensor.device
+    return torch.device("cpu")
 
 
 def _model_of(args: tuple) -> torch.nn.Module:
