@@ -1,7 +1,7 @@
 """bf16 linears of SmolLM2-135M's decoder shapes (30 layers: q, gate, up, down; residual adds between) compiled and
 frozen as the verify compiles them (compiled.compile_whole, the micro-kernels of cpu_gemm.py), at 1, 4, 8 and 16
 rows: median ms and the ratio to one row. Options: "int8" (int8 weights, quantize.Int8Linear, bf16 rows),
-"widening" (inductor's widening bf16 kernel, not the vdpbf16ps pair kernel), "Mt,Nt,Kt" (inductor's GEMM thread
+"widening" (inductor's own bf16 kernels, not the vdpbf16ps pair kernel: on an AMX CPU its AMX kernel), "Mt,Nt,Kt" (inductor's GEMM thread
 factors). benchmarks/README.md, 2026-11-28 (Zen 4 EPYC).
 Run: python benchmarks/scripts/gemm_rows_bf16.py [int8] [widening] [Mt,Nt,Kt]"""
 
@@ -65,6 +65,7 @@ with torch.no_grad():
                 times[rows].append(time.perf_counter() - start)
 ms = {rows: sorted(t)[len(t) // 2] * 1e3 for rows, t in times.items()}
 flops = {rows: 2 * rows * 30 * (576 * 576 + 3 * 576 * 1536) / (ms[rows] * 1e-3) / 1e9 for rows in ms}
-print(" ".join(a for a in ("int8" if int8 else "bf16", "widening" if widening else "pairs", factors) if a))
+kernel = ("amx" if torch.cpu._is_amx_tile_supported() else "widening") if widening else "pairs"
+print(" ".join(a for a in ("int8" if int8 else "bf16", kernel, factors) if a))
 for rows in ms:
     print(f"{rows:>2} rows: {ms[rows]:6.2f} ms  {ms[rows] / ms[1]:.2f}x one row  {flops[rows]:6.1f} GFLOP/s")

@@ -9,7 +9,8 @@ block). `register_cpu_gemm_kernels` edits the table, once per process, before th
                                torch 2.13 lists for bf16 rows only
     bf16 x bf16 or int8,       `Bf16DotMicroGemm` below: `vdpbf16ps`, two products per fp32 lane and instruction,
     avx512_bf16                the weight packed in pairs of k (inductor's VNNI2 layout, as for AMX); int8
-                               weights made bf16 (exactly) as they are loaded, their scales the template's epilogue
+    (AMX CPUs too)             weights made bf16 (exactly) as they are loaded, their scales the template's epilogue;
+                               inductor's AMX kernels step aside (a row's bits changed with the verify's length)
     bf16 x bf16, avx512 only   inductor's widening fp32 kernel with 4 x 48 register blocks
 
 Every kernel here sums each output along k in one order, in one register lane, whatever the register block and
@@ -61,7 +62,7 @@ def register_cpu_gemm_kernels(without: frozenset[str] = frozenset()) -> None:
 
 def pairs_serve_bf16() -> bool:
     """Whether `Bf16DotMicroGemm` serves this process's bf16 GEMMs: registered (`register_cpu_gemm_kernels`, not
-    left out by a benchmark's `without`) and the CPU has avx512_bf16 (`_pairs_serve`)."""
+    left out by a benchmark's `without`) and the CPU has avx512_bf16 (`_pairs_serve`; AMX CPUs have it)."""
     if not getattr(register_cpu_gemm_kernels, "pairs", False):
         return False
     from torch._inductor.cpu_vec_isa import pick_vec_isa
@@ -132,15 +133,26 @@ def _bf16_pairs(micro: Any, configs: list[Any], avx512: type) -> None:
     """`Bf16DotMicroGemm` in inductor's table, for bf16 rows x bf16 or int8 weights -> fp32 where `_pairs_serve`;
     inductor's own bf16 x int8 kernels on avx512 step aside there. Those were two kernels chosen by the number of
     rows (a 4 x 32 block summing k in blocks of 64 below 16 rows), so a row's bits changed with the verify's length
-    (7 of 16 outputs of `--quantize int8 --compile` parted from plain decoding, benchmarks/README.md 2026-11-27)."""
+    (7 of 16 outputs of `--quantize int8 --compile` parted from plain decoding, benchmarks/README.md 2026-11-27).
+    inductor's AMX kernels for bf16 rows step aside too, though faster past one row: on a 2-core Xeon with AMX the
+    int8 verify of 4 tokens after 256 took 18.4 ms through them, 29.6 through the pair kernel, but none of its 4 rows
+    had the bits of the one-token step (logits up to 0.42 apart; 4 of 4 through the pair kernel), and 12 of 24 int8
+    DFlash outputs of a bench run parted from plain decoding (benchmarks/scripts/verify_bits.py, benchmarks/README.md
+    2026-11-29, afternoon). Where in AMX's path a row's sum changes with the rows beside it is not found yet."""
     import dataclasses
 
-    configs[:] = [
-        dataclasses.replace(c, extra_check=_unless_pairs(c.extra_check))
-        if c.vec_isa_cls is avx512 and c.input_dtype == torch.bfloat16 and c.input2_dtype == torch.int8
-        else c
-        for c in configs
-    ]
+    def step_aside(table: list[Any], isa: type, weights: tuple[torch.dtype, ...]) -> None:
+        table[:] = [
+            dataclasses.replace(c, extra_check=_unless_pairs(c.extra_check))
+            if c.vec_isa_cls is isa and c.input_dtype == torch.bfloat16 and c.input2_dtype in weights
+            else c
+            for c in table
+        ]
+
+    step_aside(configs, avx512, (torch.int8,))
+    amx = getattr(micro, "CppMicroGemmAMX", None)
+    if amx in micro.micro_gemm_configs:
+        step_aside(micro.micro_gemm_configs[amx], micro.VecAMX, (torch.bfloat16, torch.int8))
 
     micro.register_micro_gemm(
         *[

@@ -213,12 +213,12 @@ def _compiled_cpu_reduced(target: Any) -> bool:
 def _tree_invariant(dtype: torch.dtype) -> bool:
     """Whether the compiled CPU verify in `dtype` gives a tree's node the bits of its path's one-token steps: the
     attention through cpu_attention's kernel (hidden columns add nothing, wherever they are), and the linears
-    through cpu_gemm's pair kernel (avx512_bf16; a row's bits whatever the rows beside it). On AMX CPUs inductor's
-    AMX kernel takes the linears and was not measured here."""
+    through cpu_gemm's pair kernel (avx512_bf16, AMX CPUs included; a row's bits whatever the rows beside it)."""
     from .attention import kernel_ready
+    from .cpu_gemm import pairs_serve_bf16, register_cpu_gemm_kernels
 
-    pairs = torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported()
-    return kernel_ready(dtype) and pairs
+    register_cpu_gemm_kernels()  # before the first frozen graph in any case; asked here before it compiles
+    return kernel_ready(dtype) and pairs_serve_bf16()
 
 
 def tree_window(target: Any) -> int | None:
