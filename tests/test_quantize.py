@@ -289,10 +289,8 @@ def test_compiled_int8_layers_reading_one_input_are_one_gemm_with_their_values(d
     from torch._dynamo.utils import counters
 
     from flashdraft.compiled import compile_options, compile_whole, int8_concat_row_dtypes
-    from flashdraft.cpu_gemm import register_cpu_gemm_kernels
     from flashdraft.kv_cache import symbolic_sizes
 
-    register_cpu_gemm_kernels()  # as compile_whole does: the pair kernel registered before it is asked about
     if dtype not in int8_concat_row_dtypes():
         pytest.skip(f"{dtype} rows keep one GEMM per int8 layer on this CPU (no avx512_bf16)")
     torch.manual_seed(1)

@@ -62,7 +62,9 @@ def register_cpu_gemm_kernels(without: frozenset[str] = frozenset()) -> None:
 
 def pairs_serve_bf16() -> bool:
     """Whether `Bf16DotMicroGemm` serves this process's bf16 GEMMs: registered (`register_cpu_gemm_kernels`, not
-    left out by a benchmark's `without`) and the CPU has avx512_bf16 (`_pairs_serve`; AMX CPUs have it)."""
+    left out by a benchmark's `without`) and the CPU has avx512_bf16 (`_pairs_serve`; AMX CPUs have it). Asked
+    before the first frozen graph (a tree refusal, a test), it registers them as that graph would."""
+    register_cpu_gemm_kernels()  # once per process; a benchmark's `without` registers first
     if not getattr(register_cpu_gemm_kernels, "pairs", False):
         return False
     from torch._inductor.cpu_vec_isa import pick_vec_isa

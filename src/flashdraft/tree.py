@@ -215,9 +215,8 @@ def _tree_invariant(dtype: torch.dtype) -> bool:
     attention through cpu_attention's kernel (hidden columns add nothing, wherever they are), and the linears
     through cpu_gemm's pair kernel (avx512_bf16, AMX CPUs included; a row's bits whatever the rows beside it)."""
     from .attention import kernel_ready
-    from .cpu_gemm import pairs_serve_bf16, register_cpu_gemm_kernels
+    from .cpu_gemm import pairs_serve_bf16
 
-    register_cpu_gemm_kernels()  # before the first frozen graph in any case; asked here before it compiles
     return kernel_ready(dtype) and pairs_serve_bf16()
 
 
