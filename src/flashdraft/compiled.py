@@ -404,9 +404,9 @@ class VerifyForward:
         self.target = target
         self.taps = tuple(tap_layer_ids)
         self.compiled = compile_options is not None
-        self.compiled_ahead = (
-            False  # the engine compiled its graphs before the first step (engine._compile_ahead)
-        )
+        # The grad modes (inference mode or not) the engine made its graphs for before a first step
+        # (engine._compile_ahead): dynamo guards on whether a tensor was made in inference mode.
+        self.compiled_ahead: set[bool] = set()
         self._captured: dict[int, torch.Tensor] = {}
         for layer_id in dict.fromkeys(self.taps):
             target.layers[layer_id].register_forward_hook(self._hook(layer_id))

@@ -21,6 +21,7 @@ vector ISA (`CppPythonBindingsCodeCache`, cached on disk as its kernels are) on 
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -322,8 +323,14 @@ def prepare(dtype: torch.dtype) -> bool:
                 cpp = DTYPES[dtype]
                 source = _SOURCE.replace("@T@", cpp)
                 argtypes = [a.replace("T*", f"{cpp}*") for a in _ARGTYPES]
+                # torch 2.13 infers the vector ISA's flags from the source unless told; 2.11 has no such keyword
+                # (the kernel did not build there, and trees were refused: an H200 machine's torch, 2026-11-29)
+                told = (
+                    "needs_vec_isa"
+                    in inspect.signature(CppPythonBindingsCodeCache.load_pybinding_async).parameters
+                )
                 _kernels[dtype] = CppPythonBindingsCodeCache.load_pybinding(
-                    argtypes, source, device_type="cpu", needs_vec_isa=True
+                    argtypes, source, device_type="cpu", **({"needs_vec_isa": True} if told else {})
                 )
             except Exception as err:  # noqa: BLE001 - any build failure means: the products, as before
                 log.warning(

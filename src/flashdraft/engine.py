@@ -248,9 +248,10 @@ class BatchDecoder:
         """Compiled: the verify's two graphs with these taps (one token; 2-64 tokens, symbolic) made now, so a step
         that first verifies one token (the policy's plain step) does not compile mid-answer. Their columns
         are written past the valid length and dropped (a length moved back), as a rejected block's are."""
-        if self.verify.compiled_ahead:
+        mode = torch.is_inference_mode_enabled()  # dynamo guards on it: each mode's graphs are others
+        if mode in self.verify.compiled_ahead:
             return
-        self.verify.compiled_ahead = True
+        self.verify.compiled_ahead.add(mode)
         columns = self.valid.shape[1]
         device = self.target.device
         last = torch.tensor([r.tokens[-1] for r in self.rows], device=device)[:, None]

@@ -389,7 +389,9 @@ def _measure(
             return encode_image_prompt(target, [first, *messages[1:]], images, system, kwargs)
         return target.encode_prompt(messages, chat=cfg.chat, enable_thinking=cfg.thinking, system=system)
 
-    with torch.inference_mode():
+    # no_grad as the engine and the cost measurement run: graphs made under one are no graphs for tensors made in
+    # inference mode (dynamo guards on it), so inference mode here compiled every graph a second time
+    with torch.no_grad():
         if cfg.warmup:
             # First-call overheads (allocator, kernels, lazy init) are paid here by every method, not measured;
             # a compiled verify takes a whole answer, so most of its graphs (one per verify shape) exist before.
