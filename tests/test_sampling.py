@@ -252,6 +252,29 @@ def test_non_finite_logits_raise_instead_of_drawing_garbage(temperature):
         generate_ar(Target(model), PROMPT, 4, temperature=temperature, seed=0)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_rows_no_token_can_be_drawn_from_are_those_with_nan_or_inf_or_nothing_left(compiled):
+    """`non_finite_rows` (one reduction over the row's maximum, which the compiled verify fuses with its argmax)
+    flags a row exactly where a NaN or a +inf is in it, or every logit is -inf, eager and compiled alike."""
+    from flashdraft.sampling import non_finite_rows
+
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(400, 37, generator=gen)
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    for row in range(values.shape[0]):  # 0-3 special values per row, and some rows all -inf
+        picks = torch.randint(0, 3, (row % 4,), generator=gen)
+        where = torch.randint(0, values.shape[1], (row % 4,), generator=gen)
+        values[row, where] = specials[picks]
+    values[::29] = -float("inf")
+    values[7::53, 3] = 1.0  # all -inf but one
+    values[7::53, :3] = -float("inf")
+    expected = values.isnan().any(-1) | values.isposinf().any(-1) | values.isneginf().all(-1)
+    rule = torch.compile(non_finite_rows, backend="inductor", fullgraph=True) if compiled else non_finite_rows
+    got = rule(values.to(torch.bfloat16).float())
+    assert 50 < int(expected.sum()) < 350  # both kinds of row, many times
+    assert torch.equal(got, expected)
+
+
 N_BATCHED = 8_000
 
 

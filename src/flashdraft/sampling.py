@@ -84,8 +84,11 @@ def position_uniforms(seed: int, start: int, count: int) -> torch.Tensor:
 
 def non_finite_rows(values: torch.Tensor) -> torch.Tensor:
     """[...] bool over the last dim: rows no token can be drawn from. -inf is a legitimate logit (a masked token) as
-    long as something is left; NaN and +inf never are."""
-    return torch.isnan(values).any(-1) | torch.isposinf(values).any(-1) | torch.isneginf(values).all(-1)
+    long as something is left; NaN and +inf never are. All three are one fact about the row's maximum (a NaN makes
+    it NaN, a +inf +inf, and it is -inf only where every logit is): one vectorised reduction. Inside the compiled
+    verify, element-wise isnan / isposinf / isneginf reductions were a scalar loop over the vocabulary: 1.3 ms of a
+    25 ms one-token step (int8 SmolLM2, 2-core AMX Xeon)."""
+    return ~torch.isfinite(values.amax(-1))
 
 
 def check_finite(values: torch.Tensor, position: int | None) -> None:
