@@ -65,6 +65,9 @@ def test_a_step_far_slower_than_its_turn_s_others_is_reported_as_a_stall():
     assert (
         compiled_mid_answer.to_dict()["slowest_step"] == 40 and "step_s" not in compiled_mid_answer.to_dict()
     )
+    assert (
+        compiled_mid_answer.to_dict(with_outputs=True)["step_s"][40] == 9.2
+    )  # --save-outputs keeps each step
 
 
 def test_tau_histogram_and_slot_acceptance_from_hand_made_logs():

@@ -33,10 +33,11 @@ VERIFY_LENGTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 BATCH_TOKENS = (32, 64, 128)
 DRAFT_BATCH_ROWS = 4
 CONTEXTS = (64, 512)
-COST_MODEL_VERSION = 6  # 3: the machine named with its vector extensions (cpu_name); 4: beside a static
+COST_MODEL_VERSION = 7  # 3: the machine named with its vector extensions (cpu_name); 4: beside a static
 # cache the draft pass is timed through the engine's own proposer (its compiled block pass, if compiled); 5: the
 # draft head's price per slot (draft_slot_s); 6: on a CPU in fp32 the static verify reads only the columns in use
-# (attention.narrow_mask), and int8 layers of one input are one GEMM (compiled._register_int8_concat_linear)
+# (attention.narrow_mask), and int8 layers of one input are one GEMM (compiled._register_int8_concat_linear);
+# 7: the interleaved rounds alternate their order (interleaved_medians), so no length is timed after a far longer one
 
 
 def cost_cache_dir() -> Path:
@@ -156,12 +157,16 @@ def interleaved_medians(fns: list[Any], repeats: int) -> list[float]:
     """Median wall time of each of `fns` after one warm-up call each, over `repeats` rounds that call every one once
     in turn (CUDA synchronised): a slow stretch of the machine weighs on all of them alike, not on whichever was
     timed first. Timed one after another, a bf16 price list (2-core EPYC VM) had a plain step at 14.3 ms where
-    decoding took 11.2, and a 4-token verify at 0.88 of it (benchmarks/README.md, 2026-11-29 evening)."""
-    for fn in fns:  # warm-up (a compiled length compiles here)
+    decoding took 11.2, and a 4-token verify at 0.88 of it (benchmarks/README.md, 2026-11-29 evening).
+    The rounds go up and down the list in turn (the warm-ups down, so the first round starts where they end), so each
+    call follows itself or a neighbour: a verify of one token timed right after one of 128 (the last length) cost 38
+    ms where plain decoding's took 26 (int8, 2-core AMX Xeon), and priced every verify of 2-8 tokens below it."""
+    order = list(zip(fns, [[] for _ in fns], strict=True))
+    times = [spent for _, spent in order]
+    for fn, _ in reversed(order):  # warm-up (a compiled length compiles here)
         fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, spent in zip(fns, times, strict=True):
+    for round_ in range(repeats):
+        for fn, spent in order if round_ % 2 == 0 else reversed(order):
             t0 = time.perf_counter()
             fn()
             if torch.cuda.is_available():

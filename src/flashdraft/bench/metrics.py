@@ -98,7 +98,8 @@ class SampleRecord:
     grammar_s: float = 0.0  # structured output: the grammar's part of decode_s
     matches_reference: bool | None = None  # None: not compared (sampling, or the reference itself)
     first_mismatch: int | None = None
-    # each decode step's wall time (engine methods); results.json keeps the slowest and the median
+    # each decode step's wall time (engine methods); results.json keeps the slowest and the median (and all of
+    # them with --save-outputs)
     step_s: list[float] = field(default_factory=list, repr=False)
     output_ids: list[int] = field(default_factory=list, repr=False)
     output_text: str | None = field(default=None, repr=False)
@@ -127,9 +128,10 @@ class SampleRecord:
         d["total_s"] = self.total_s
         d["tpot_s"] = self.tpot_s
         d.update(self.step_summary())
-        if with_outputs:
+        if with_outputs:  # --save-outputs: each step's time too (what a step of each draft length costs)
             d["output_ids"] = self.output_ids
             d["output_text"] = self.output_text
+            d["step_s"] = [round(t, 6) for t in self.step_s]
         return d
 
 
