@@ -154,6 +154,19 @@ def test_compiled_verify_is_a_few_whole_graphs(models, temperature):
     assert 1 <= graphs <= 8 and len(shapes) >= 30, (graphs, len(shapes))  # each step at its own positions
 
 
+def _traced_llama(models):
+    """The tiny Llama with a one-layer drafter, its verify traced whole by dynamo (kernels eager), dynamo's caches
+    emptied first."""
+    torch._dynamo.reset()
+    model = models["llama"]
+    draft = DFlashDraftModel.for_target(
+        model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1
+    ).eval()
+    target = Target(model)
+    target.static_cache, target.compile_options = True, EAGER_GRAPH
+    return model, draft, target
+
+
 def test_another_capacity_or_verify_length_is_no_new_graph(models):
     """The rows, verify length and capacity are symbolic from the first compile, on every device: after one answer,
     prompts whose caches get other capacities, and other verify lengths, reuse the graphs (a first start compiles
@@ -162,13 +175,7 @@ def test_another_capacity_or_verify_length_is_no_new_graph(models):
     strides must not make graphs either."""
     from torch._dynamo.utils import counters
 
-    torch._dynamo.reset()
-    model = models["llama"]
-    draft = DFlashDraftModel.for_target(
-        model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1
-    ).eval()
-    target = Target(model)
-    target.static_cache, target.compile_options = True, EAGER_GRAPH
+    model, draft, target = _traced_llama(models)
     for block_size in (8, 4):
         generate(
             target, draft, list(range(5, 25)), max_new_tokens=30, stop_token_ids=[], block_size=block_size
@@ -195,13 +202,7 @@ def test_a_caller_in_inference_mode_compiles_nothing_mid_answer(models, monkeypa
 
     import flashdraft.batched_dflash as batched
 
-    torch._dynamo.reset()
-    model = models["llama"]
-    draft = DFlashDraftModel.for_target(
-        model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1
-    ).eval()
-    target = Target(model)
-    target.static_cache, target.compile_options = True, EAGER_GRAPH
+    model, draft, target = _traced_llama(models)
     prompt = list(range(5, 25))
     generate(target, draft, prompt, max_new_tokens=12, stop_token_ids=[], block_size=8)  # under no_grad
     propose, steps = batched.BatchedDFlashProposer.propose, []
