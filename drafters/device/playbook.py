@@ -269,7 +269,7 @@ def piece(n: int) -> None:
 
 
 def start(seconds: float) -> None:
-    """Call 3: assemble the pack (the last piece travels with this call), then the pipeline, detached."""
+    """Call 4: assemble the pack (the last piece travels with this call), then the pipeline, detached."""
     W.mkdir(parents=True, exist_ok=True)
     if not DRY and not (W / "done" / "pack").exists():
         piece(PIECES - 1)
