@@ -161,8 +161,8 @@ def interleaved_medians(fns: list[Any], repeats: int) -> list[float]:
     The rounds go up and down the list in turn (the warm-ups down, so the first round starts where they end), so each
     call follows itself or a neighbour: a verify of one token timed right after one of 128 (the last length) cost 38
     ms where plain decoding's took 26 (int8, 2-core AMX Xeon), and priced every verify of 2-8 tokens below it."""
-    order = list(zip(fns, [[] for _ in fns], strict=True))
-    times = [spent for _, spent in order]
+    times: list[list[float]] = [[] for _ in fns]
+    order = list(zip(fns, times, strict=True))
     for fn, _ in reversed(order):  # warm-up (a compiled length compiles here)
         fn()
     for round_ in range(repeats):
