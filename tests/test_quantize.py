@@ -284,15 +284,15 @@ def test_compiled_fp32_int8_layers_give_a_row_its_bits_at_any_row_count():
 def test_compiled_int8_layers_reading_one_input_are_one_gemm_with_their_values(dtype):
     """Frozen, the int8 layers that read the same rows (q / k / v, gate / up) are one GEMM over their weights
     concatenated (`_register_int8_concat_linear`): 2 template kernels for 5 layers, each output its layer's product
-    (ATen's int8 kernel, to the rows' rounding), a row the same bits at any row count. bf16 rows where the pair
-    kernel serves them (avx512_bf16)."""
+    (ATen's int8 kernel, to the rows' rounding), a row the same bits at any row count. bf16 rows where AMX or the
+    pair kernel serves them (cpu_gemm.bf16_rows_kernel)."""
     from torch._dynamo.utils import counters
 
     from flashdraft.compiled import compile_options, compile_whole, int8_concat_row_dtypes
     from flashdraft.kv_cache import symbolic_sizes
 
     if dtype not in int8_concat_row_dtypes():
-        pytest.skip(f"{dtype} rows keep one GEMM per int8 layer on this CPU (no avx512_bf16)")
+        pytest.skip(f"{dtype} rows keep one GEMM per int8 layer on this CPU (no AMX or avx512_bf16)")
     torch.manual_seed(1)
     outs = (96, 32, 32, 160, 160)  # q, k, v; gate, up
     layers = nn.ModuleList(Int8Linear(nn.Linear(96, o, bias=False), compute_dtype=dtype) for o in outs).eval()

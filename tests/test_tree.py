@@ -383,15 +383,17 @@ def test_hybrid_targets_verify_chains_and_stay_exact():
 
 
 def _tree_exact_cpu() -> bool:
-    """avx512_bf16 (AMX CPUs have it, and run the pair kernel too) and cpu_attention's kernel built: where it does
-    not (torch 2.11 on an H200 machine's Xeon, 2026-11-29), trees are refused."""
+    """A row-invariant kernel for bf16 rows (AMX, or the pair kernel with avx512_bf16: cpu_gemm.bf16_rows_kernel)
+    and cpu_attention's kernel built: where it does not (torch 2.11 on an H200 machine's Xeon, 2026-11-29), trees
+    are refused."""
     from flashdraft import cpu_attention
+    from flashdraft.cpu_gemm import bf16_rows_kernel
 
-    return torch.cpu._is_avx512_bf16_supported() and cpu_attention.prepare(torch.bfloat16)
+    return bf16_rows_kernel() is not None and cpu_attention.prepare(torch.bfloat16)
 
 
 def test_the_compiled_cpu_path_in_reduced_precision_verifies_trees_only_where_they_are_exact():
-    """Compiled on a CPU in bf16, trees where cpu_attention's kernel and the pair GEMM kernel (avx512_bf16) keep a
+    """Compiled on a CPU in bf16, trees where cpu_attention's kernel and AMX or the pair GEMM kernel keep a
     node's bits (the next test); chains elsewhere, and in fp16 (the refusal is what the proposer and `--verbose`
     report). Eager bf16 and compiled fp32 keep trees."""
     from flashdraft.compiled import compile_options
@@ -417,7 +419,7 @@ def test_the_compiled_cpu_path_in_reduced_precision_verifies_trees_only_where_th
     assert tree_refusal(fp32) is None
 
 
-@pytest.mark.skipif(not _tree_exact_cpu(), reason="exact bf16 trees need avx512_bf16 (the pair GEMM kernel)")
+@pytest.mark.skipif(not _tree_exact_cpu(), reason="exact bf16 trees need AMX or avx512_bf16 (cpu_gemm)")
 def test_oracle_trees_decode_as_plain_compiled_in_bf16():
     """The compiled bf16 CPU path (frozen graphs, cpu_attention's kernel over a mask as narrow as the columns in
     use): random trees, rows joining and leaving, greedy and seeded sampling, every output equal to the same

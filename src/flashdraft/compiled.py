@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from .cpu_gemm import pairs_serve_bf16, register_cpu_gemm_kernels
+from .cpu_gemm import bf16_rows_kernel, register_cpu_gemm_kernels
 from .kv_cache import static_refusal, symbolic_sizes
 from .sampling import non_finite_rows
 from .target import TargetError, TargetOutput
@@ -221,6 +221,7 @@ def kernels_tag() -> str:
     for name in ("compiled.py", "cpu_gemm.py", "attention.py", "cpu_attention.py"):
         digest.update((Path(__file__).parent / name).read_bytes())
     digest.update(repr(sorted(getattr(register_cpu_gemm_kernels, "without", ()))).encode())  # a benchmark's
+    digest.update(repr(bf16_rows_kernel()).encode())  # AMX or the pair kernel (`cpu_gemm.serving_bf16_rows`)
     return digest.hexdigest()[:8]
 
 
@@ -346,9 +347,9 @@ def _register_int8_concat_linear() -> None:
 
 def int8_concat_row_dtypes() -> tuple[torch.dtype, ...]:
     """The rows whose int8 layers of one input `_register_int8_concat_linear` makes one GEMM: fp32 (the template's
-    fp32 kernel), and bf16 where cpu_gemm's pair kernel serves them (avx512_bf16), which sums a column in one order
-    at any width. inductor's own bf16 x int8 kernels, elsewhere, are left as they are."""
-    return (torch.float32, torch.bfloat16) if pairs_serve_bf16() else (torch.float32,)
+    fp32 kernel), and bf16 where AMX or cpu_gemm's pair kernel serves them (`bf16_rows_kernel`), which sum a column
+    in one order at any width. inductor's own bf16 x int8 kernels, elsewhere, are left as they are."""
+    return (torch.float32, torch.bfloat16) if bf16_rows_kernel() else (torch.float32,)
 
 
 def _register_one_gemm_choice() -> None:

@@ -7,20 +7,25 @@ block). `register_cpu_gemm_kernels` edits the table, once per process, before th
 
     fp32 rows x int8 weights   inductor's fp32 kernel with int8 weights (`--quantize int8 --dtype float32`), which
                                torch 2.13 lists for bf16 rows only
+    bf16 x bf16 or int8, AMX   inductor's AMX kernels (`tdpbf16ps` on tiles), at every row count: inductor's rule
+                               that skips them for a weight-only-int8 GEMM of fewer than 5 static rows is lifted
     bf16 x bf16 or int8,       `Bf16DotMicroGemm` below: `vdpbf16ps`, two products per fp32 lane and instruction,
-    avx512_bf16                the weight packed in pairs of k (inductor's VNNI2 layout, as for AMX); int8
-    (AMX CPUs too)             weights made bf16 (exactly) as they are loaded, their scales the template's epilogue;
-                               inductor's AMX kernels step aside (a row's bits changed with the verify's length)
+    avx512_bf16 without AMX    the weight packed in pairs of k (inductor's VNNI2 layout, as for AMX); int8
+                               weights made bf16 (exactly) as they are loaded, their scales the template's epilogue;
+                               inductor's own bf16 x int8 kernels step aside (a row's bits changed with the verify's
+                               length)
     bf16 x bf16, avx512 only   inductor's widening fp32 kernel with 4 x 48 register blocks
 
-Every kernel here sums each output along k in one order, in one register lane, whatever the register block and
-whatever the number of rows in the call, so a row keeps its bits at any verify length (batch invariance: the
-verify of n tokens gives each the bits of the one-token step). `tests/test_cpu_gemm.py`, `tests/test_static_cache.py`
-and `tests/test_quantize.py` hold them to it.
+Every kernel here sums each output along k in one order, in one register lane or tile row, whatever the register
+block and whatever the number of rows in the call, so a row keeps its bits at any verify length (batch invariance:
+the verify of n tokens gives each the bits of the one-token step). `bf16_rows_kernel` says which serves bf16 rows.
+`tests/test_cpu_gemm.py`, `tests/test_static_cache.py` and `tests/test_quantize.py` hold them to it.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -37,8 +42,9 @@ BF16_WIDENING_BLOCK = (4, 48, 1)
 
 
 def register_cpu_gemm_kernels(without: frozenset[str] = frozenset()) -> None:
-    """Once per process: the table edits above, but those named in `without` ("fp32-int8", "bf16-pairs",
-    "bf16-four-rows": benchmarks compare with inductor's own). On another torch (no such table) nothing changes."""
+    """Once per process: the table edits above, but those named in `without` ("fp32-int8", "amx", "bf16-pairs",
+    "bf16-four-rows": benchmarks compare with inductor's own, or the pair kernel with AMX). On another torch (no such
+    table) nothing changes."""
     if getattr(register_cpu_gemm_kernels, "done", False):
         return
     register_cpu_gemm_kernels.done = True
@@ -46,30 +52,94 @@ def register_cpu_gemm_kernels(without: frozenset[str] = frozenset()) -> None:
     try:
         import torch._inductor.lowering  # noqa: F401 - before codegen: inductor's modules import in this order
         from torch._inductor.codegen import cpp_micro_gemm as micro
-        from torch._inductor.cpu_vec_isa import VecAVX2, VecAVX512
+        from torch._inductor.cpu_vec_isa import VecAVX2, VecAVX512, pick_vec_isa
 
         configs = micro.micro_gemm_configs[micro.CppMicroGemmFP32Vec]
     except (ImportError, AttributeError, KeyError):
         return
+    isa = pick_vec_isa()
+    amx = getattr(micro, "CppMicroGemmAMX", None) in micro.micro_gemm_configs and isinstance(
+        isa, micro.VecAMX
+    )
+    pairs = bool(getattr(isa, "is_avx512_bf16_supported", lambda: False)())
     if "fp32-int8" not in without:
         _fp32_int8(micro, configs, VecAVX2, VecAVX512)
     if "bf16-four-rows" not in without:
         _bf16_widening_four_rows(micro, configs, VecAVX512, pairs="bf16-pairs" not in without)
     if "bf16-pairs" not in without:
         _bf16_pairs(micro, configs, VecAVX512)
-        register_cpu_gemm_kernels.pairs = True
+    if amx and "amx" not in without:
+        _amx_at_any_rows(micro)
+        _SERVING["bf16"] = "amx"
+    elif pairs and "bf16-pairs" not in without:
+        _SERVING["bf16"] = "pairs"
 
 
-def pairs_serve_bf16() -> bool:
-    """Whether `Bf16DotMicroGemm` serves this process's bf16 GEMMs: registered (`register_cpu_gemm_kernels`, not
-    left out by a benchmark's `without`) and the CPU has avx512_bf16 (`_pairs_serve`; AMX CPUs have it). Asked
-    before the first frozen graph (a tree refusal, a test), it registers them as that graph would."""
+# Which kernel serves bf16 rows in the graphs compiled from here on ("amx", "pairs" or None: inductor's own), read
+# by the table's checks as inductor chooses; set by `register_cpu_gemm_kernels`, changed by `serving_bf16_rows`.
+_SERVING: dict[str, str | None] = {"bf16": None}
+
+
+def bf16_rows_kernel() -> str | None:
+    """The kernel that serves this process's bf16 rows (bf16 or int8 weights) in a frozen graph, each row's bits
+    whatever the rows beside it: "amx" (CPUs with AMX), "pairs" (`Bf16DotMicroGemm`, avx512_bf16 without AMX), or
+    None (inductor's own kernels, whose rows are not held to that). Asked before the first frozen graph (a tree
+    refusal, a test), it registers the kernels as that graph would."""
     register_cpu_gemm_kernels()  # once per process; a benchmark's `without` registers first
-    if not getattr(register_cpu_gemm_kernels, "pairs", False):
-        return False
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    return _SERVING["bf16"]
 
-    return bool(getattr(pick_vec_isa(), "is_avx512_bf16_supported", lambda: False)())
+
+def bf16_row_kernels() -> tuple[str, ...]:
+    """The kernels that can serve bf16 rows on this CPU (`serving_bf16_rows`): AMX and the pair kernel on an AMX
+    CPU, the pair kernel with avx512_bf16, none elsewhere."""
+    kernel = bf16_rows_kernel()
+    return {"amx": ("amx", "pairs"), "pairs": ("pairs",)}.get(kernel or "", ())
+
+
+@contextlib.contextmanager
+def serving_bf16_rows(kernel: str) -> Iterator[None]:
+    """Graphs compiled inside serve bf16 rows with `kernel` (one of `bf16_row_kernels()`): tests and benchmarks
+    compare AMX with the pair kernel on one CPU. compiled.kernels_tag names it, so cached graphs stay apart."""
+    if kernel not in bf16_row_kernels():
+        raise ValueError(
+            f"bf16 rows cannot be served by {kernel!r} on this CPU (it has {bf16_row_kernels()})"
+        )
+    before = _SERVING["bf16"]
+    _SERVING["bf16"] = kernel
+    try:
+        yield
+    finally:
+        _SERVING["bf16"] = before
+
+
+def _amx_at_any_rows(micro: Any) -> None:
+    """inductor skips its AMX micro-kernels for a weight-only-int8 GEMM (bf16 rows, int8 weights) whose row count is
+    static and below 5 (`create_micro_gemm`'s `skip_amx_kernel_for_woq`): the one-token verify (1 row) then ran an
+    avx512 kernel and the verify of 2-64 tokens (a symbolic row count) AMX, and a row's bits changed with the
+    verify's length (12 of 24 int8 DFlash outputs of a bench run parted from plain decoding). Here the choice for
+    such a GEMM is made as for 5 rows while AMX serves (the micro-kernel runs any row count): on a 2-core Xeon with
+    AMX every row of SmolLM2's int8 verify of 1-16 tokens had the one-token step's bits, and the verify of 1 / 4 / 16
+    tokens took 17.2 / 19.4 / 26.7 ms against 26.5 / 24.2 / 55.2 through the pair kernel
+    (benchmarks/scripts/amx_small_m.py, benchmarks/README.md 2026-11-29). The modules that imported the function by
+    name get the wrapper too."""
+    import sys
+
+    choose = micro.create_micro_gemm
+
+    def create_micro_gemm(
+        name: Any, m: Any, n: Any, k: Any, input_dtype: Any, input2_dtype: Any, *args, **kwargs
+    ):
+        woq = input_dtype == torch.bfloat16 and input2_dtype in (torch.int8, torch.uint8)
+        if _SERVING["bf16"] == "amx" and woq and getattr(m, "is_number", isinstance(m, int)) and int(m) < 5:
+            m = 5
+        return choose(name, m, n, k, input_dtype, input2_dtype, *args, **kwargs)
+
+    for module in list(sys.modules.values()):
+        if (
+            getattr(module, "__name__", "").startswith("torch._inductor")
+            and module.__dict__.get("create_micro_gemm") is choose
+        ):
+            module.create_micro_gemm = create_micro_gemm
 
 
 def _fp32_int8(micro: Any, configs: list[Any], avx2: type, avx512: type) -> None:
@@ -114,10 +184,11 @@ def _bf16_widening_four_rows(micro: Any, configs: list[Any], avx512: type, pairs
 
 
 def _pairs_serve(config: Any, m: Any, n: Any, k: Any, alpha: Any, num_threads: Any, **kwargs: Any) -> bool:
-    """The pair kernel's `extra_check`: it serves a bf16 GEMM where the CPU has avx512_bf16, k is even and nothing
-    scales the product."""
+    """The pair kernel's `extra_check`: it serves a bf16 GEMM where it serves bf16 rows (`bf16_rows_kernel`: the CPU
+    has avx512_bf16 and AMX does not serve), k is even and nothing scales the product."""
     supported = getattr(kwargs.get("vec_isa"), "is_avx512_bf16_supported", None)
-    return bool(supported is not None and supported()) and int(k) % 2 == 0 and alpha == 1
+    chosen = _SERVING["bf16"] == "pairs" and supported is not None and supported()
+    return bool(chosen) and int(k) % 2 == 0 and alpha == 1
 
 
 def _unless_pairs(own: Any) -> Any:
@@ -136,11 +207,8 @@ def _bf16_pairs(micro: Any, configs: list[Any], avx512: type) -> None:
     inductor's own bf16 x int8 kernels on avx512 step aside there. Those were two kernels chosen by the number of
     rows (a 4 x 32 block summing k in blocks of 64 below 16 rows), so a row's bits changed with the verify's length
     (7 of 16 outputs of `--quantize int8 --compile` parted from plain decoding, benchmarks/README.md 2026-11-27).
-    inductor's AMX kernels for bf16 rows step aside too, though faster past one row: on a 2-core Xeon with AMX the
-    int8 verify of 4 tokens after 256 took 18.4 ms through them, 29.6 through the pair kernel, but none of its 4 rows
-    had the bits of the one-token step (logits up to 0.42 apart; 4 of 4 through the pair kernel), and 12 of 24 int8
-    DFlash outputs of a bench run parted from plain decoding (benchmarks/scripts/verify_bits.py, benchmarks/README.md
-    2026-11-29, afternoon). Where in AMX's path a row's sum changes with the rows beside it is not found yet."""
+    inductor's AMX kernels step aside too where the pair kernel is made to serve on an AMX CPU (`serving_bf16_rows`);
+    by default AMX serves there (`_amx_at_any_rows`)."""
     import dataclasses
 
     def step_aside(table: list[Any], isa: type, weights: tuple[torch.dtype, ...]) -> None:

@@ -213,11 +213,11 @@ def _compiled_cpu_reduced(target: Any) -> bool:
 def _tree_invariant(dtype: torch.dtype) -> bool:
     """Whether the compiled CPU verify in `dtype` gives a tree's node the bits of its path's one-token steps: the
     attention through cpu_attention's kernel (hidden columns add nothing, wherever they are), and the linears
-    through cpu_gemm's pair kernel (avx512_bf16, AMX CPUs included; a row's bits whatever the rows beside it)."""
+    through AMX or cpu_gemm's pair kernel (`bf16_rows_kernel`: a row's bits whatever the rows beside it)."""
     from .attention import kernel_ready
-    from .cpu_gemm import pairs_serve_bf16
+    from .cpu_gemm import bf16_rows_kernel
 
-    return kernel_ready(dtype) and pairs_serve_bf16()
+    return kernel_ready(dtype) and bf16_rows_kernel() is not None
 
 
 def tree_window(target: Any) -> int | None:
