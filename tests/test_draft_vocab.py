@@ -170,6 +170,7 @@ def test_the_compiled_draft_head_over_a_vocabulary_gives_the_eager_head_s_logits
 
     from flashdraft.compiled import compile_options, draft_head
     from flashdraft.model import draft_logits, scale_draft_logits
+    from flashdraft.tree import top_candidates
 
     torch.manual_seed(0)
     target = SimpleNamespace(compile_options=compile_options(torch.device("cpu")), model=torch.nn.Module())
@@ -212,3 +213,8 @@ def test_the_compiled_draft_head_over_a_vocabulary_gives_the_eager_head_s_logits
             none, alone, sure = head(hidden, logits=False)
             assert none is None and torch.equal(alone, tokens)
             torch.testing.assert_close(sure, confidence, rtol=1e-5, atol=1e-6)
+            # a draft tree's candidates, token ids of the whole vocabulary too
+            _, _, _, top_tokens, top_p = head(hidden, logits=False, top=3)
+            want_tokens, want_p = top_candidates(got, 3)
+            assert torch.equal(top_tokens, want_tokens)
+            torch.testing.assert_close(top_p, want_p, rtol=1e-5, atol=1e-6)

@@ -398,6 +398,7 @@ def test_the_compiled_draft_head_gives_the_eager_head_s_logits_for_any_number_of
 
     from flashdraft.compiled import compile_options, draft_head
     from flashdraft.model import draft_logits
+    from flashdraft.tree import top_candidates
 
     torch.manual_seed(0)
     options = compile_options(torch.device("cpu"))
@@ -429,8 +430,16 @@ def test_the_compiled_draft_head_gives_the_eager_head_s_logits_for_any_number_of
             none, alone, sure = head(hidden, logits=False)
             assert none is None and torch.equal(alone, tokens)
             torch.testing.assert_close(sure, confidence, rtol=1e-5, atol=1e-6)
-    assert counters["stats"]["unique_graphs"] == 2  # with the logits, and the drafts alone
-    assert counters["inductor"]["cpp_templated_kernel_counter"] == 2
+            # a draft tree's candidates: each row's 3 most likely tokens and their probabilities, in the graph
+            none, alone, sure, top_tokens, top_p = head(hidden, logits=False, top=3)
+            want_tokens, want_p = top_candidates(want, 3)
+            assert none is None and torch.equal(alone, tokens) and torch.equal(top_tokens, want_tokens)
+            torch.testing.assert_close(top_p, want_p, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(sure, top_p[:, 0], rtol=1e-5, atol=1e-6)
+    assert (
+        counters["stats"]["unique_graphs"] == 3
+    )  # with the logits, the drafts alone, the drafts and candidates
+    assert counters["inductor"]["cpp_templated_kernel_counter"] == 3
     # the template takes constant weights only (frozen), and packs them itself: no oneDNN copy
     assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == 0
     assert counters["inductor"]["select_algorithm_autotune"] == 0  # the template, not a timing's choice

@@ -327,6 +327,23 @@ def test_dflash_trees_decode_as_plain(arch, mode):
         assert tree_window(target) == 64
 
 
+def test_dflash_trees_through_the_compiled_graphs_decode_as_plain():
+    """Compiled (static cache, frozen graphs): the drafter's head reduces each slot's tree candidates inside its
+    graph and the verify reduces the target's greedy tokens inside its own; the DFlash proposer's trees decode as
+    plain decoding, and trees really ran (rows joining and leaving: the eager tests and the compiled oracle's)."""
+    from flashdraft.compiled import compile_verify
+
+    target = Target(tiny_model("llama", seed=3, max_position_embeddings=512))
+    assert compile_verify(target) is None
+    draft = drafter(target.config)
+    prompt = random_prompts(1, seed=7)[0]
+    proposer = BatchedDFlashProposer(draft, target, block_size=5, tree=8)
+    assert proposer.head_drafts is not None  # the compiled head, whose graph gives the candidates
+    got = generate(target, proposer, prompt, 30, stop_token_ids=[])
+    assert got.new_tokens == generate_ar(target, prompt, 30, stop_token_ids=[]).new_tokens
+    assert got.proposer_stats["tree_steps"] > 0
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_lookup_branches_in_trees_decode_as_plain(monkeypatch, temperature):
     """Prompts that repeat themselves, so prompt lookup matches: its continuation joins the drafter's trees as a

@@ -23,7 +23,16 @@ from .proposers import BatchProposer, DFlashProposer, Paths
 from .request import GenerationError
 from .sampling import DRAFT_STREAM, position_uniforms
 from .target import Target
-from .tree import DraftTree, add_branch, grow_tree, slot_candidates, tree_budget, tree_refusal, tree_window
+from .tree import (
+    DraftTree,
+    add_branch,
+    grow_tree,
+    slot_candidates,
+    top_candidates,
+    tree_budget,
+    tree_refusal,
+    tree_window,
+)
 
 if TYPE_CHECKING:
     from .engine import BatchRow
@@ -286,11 +295,15 @@ class BatchedDFlashProposer(BatchProposer):
         # Slot k predicts the token at anchor + k; slot 0's output is unused.
         self._pass = (hidden, anchors)
         slots = block - 1 if slots is None else min(slots, block - 1)
-        # the drafter's logits over the vocabulary only where something reads more than the greedy drafts
-        read_logits = self.tree is not None or self.sampled_drafts or any(r.grammar is not None for r in rows)
-        logits, tokens, confidence = self._slot_drafts(hidden[:, 1 : 1 + slots], anchors, read_logits)
-        if self.tree is not None:
-            self._candidates = slot_candidates(logits, tokens, confidence, TREE_WIDTH)
+        # the drafter's logits over the vocabulary only where something reads more than the greedy drafts (a tree
+        # reads each slot's few most likely tokens: the compiled head reduces them itself)
+        read_logits = self.sampled_drafts or any(r.grammar is not None for r in rows)
+        top = TREE_WIDTH if self.tree is not None else 0
+        logits, tokens, confidence, *candidates = self._slot_drafts(
+            hidden[:, 1 : 1 + slots], anchors, read_logits, top
+        )
+        if top:
+            self._candidates = slot_candidates(*candidates, tokens, confidence)
         if self.draft.candidate_selector is None:  # constrained greedy rows: drafts the grammar allows
             for i, row in enumerate(rows):
                 if row.grammar is not None and (row.sampling.greedy or not self.sampled_drafts):
@@ -328,18 +341,23 @@ class BatchedDFlashProposer(BatchProposer):
         return self._slot_drafts(hidden[None], anchors, logits=False)
 
     def _slot_drafts(
-        self, hidden: torch.Tensor, anchors: torch.Tensor, logits: bool = True
+        self, hidden: torch.Tensor, anchors: torch.Tensor, logits: bool = True, top: int = 0
     ) -> tuple[torch.Tensor | None, ...]:
         """(logits [b, k, V], greedy drafts [b, k], the drafter's confidence in each) from slot states [b, k, H]:
         the drafts from the compiled head's own reduction where it made them (a v1 drafter), else `propose_tokens`.
-        `logits=False`: None for the logits where the compiled head can leave them out."""
+        `logits=False`: None for the logits where the compiled head can leave them out. `top`: each slot's `top`
+        most likely tokens and their probabilities [b, k, top] follow (tree.top_candidates)."""
         b, k, _ = hidden.shape
         flat = hidden.reshape(b * k, -1)
         if self.head_drafts is not None and self.draft.candidate_selector is None:
-            out, tokens, confidence = self.head_drafts(flat, logits)
-            return None if out is None else out.view(b, k, -1), tokens.view(b, k), confidence.view(b, k)
-        logits = self.head_logits(flat).view(b, k, -1)
-        return (logits, *self.draft.propose_tokens(hidden, logits, anchors))
+            out, *reduced = self.head_drafts(flat, logits, top)
+            out = None if out is None else out.view(b, k, -1)
+            if top and out is not None:  # the logits were asked for: the candidates from them
+                reduced += top_candidates(out, top)
+            return out, *(t.view(b, k, *t.shape[1:]) for t in reduced)
+        out = self.head_logits(flat).view(b, k, -1)
+        drafts = self.draft.propose_tokens(hidden, out, anchors)
+        return (out, *drafts, *(top_candidates(out, top) if top else ()))
 
     def _first_slots(self, rows: list[BatchRow], context: int) -> int | None:
         """How many slots the LM head covers first (None: all): on a CPU the head over a block's 15 slots cost 1.5x

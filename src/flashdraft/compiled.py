@@ -555,7 +555,10 @@ def draft_head(
     (logits [rows, V], each row's argmax and its softmax probability): a v1 drafter's greedy drafts and confidences
     reduced in the same graph; `run(hidden, logits=False)` returns (None, drafts, confidences) from a graph of its
     own that reduces the head's own columns and never writes the V-wide logits (a greedy chain reads nothing else:
-    eager, `propose_tokens`' softmax over the expanded logits cost 0.7 ms a draft pass on a 2-core EPYC). `module`:
+    eager, `propose_tokens`' softmax over the expanded logits cost 0.7 ms a draft pass on a 2-core EPYC);
+    `run(hidden, logits=False, top=k)` adds each row's k most likely tokens and their probabilities (a draft tree's
+    candidates, tree.top_candidates), reduced in a graph of their own: eager, over the V-wide logits, they cost
+    3.1 ms of a 2-core Xeon's 39 ms tree step, and the logits 1 ms more. `module`:
     a quantized head (quantize.Int8Linear) compiled as it is, in place of `weight` and `bias`. Eager, this head was
     most of a CPU draft pass: 25 of 34 ms for SmolLM2's 15 slots through MKL on a 2-core AMD EPYC, 8 ms through
     inductor's GEMM template (the module docstring). `vocab`: (ids, V) where the head covers the drafter's
@@ -564,6 +567,7 @@ def draft_head(
         return None
     from .draft_vocab import expand_logits, vocabulary_key
     from .model import draft_logits, scale_draft_logits
+    from .tree import top_candidates
 
     scaling = (config.output_multiplier, config.final_logit_softcapping)
     precision = weight.dtype if module is None else (type(module).__name__, module.compute_dtype)
@@ -598,17 +602,32 @@ def draft_head(
         confidence, index = head_logits(hidden).softmax(-1).max(-1)  # -inf elsewhere adds nothing to the sum
         return (index if vocab is None else holder.vocab_ids[index]), confidence
 
+    def drafts_and_top(k: int) -> Any:
+        def run(hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            out = head_logits(hidden)
+            confidence, index = out.softmax(-1).max(-1)
+            top_tokens, top_p = top_candidates(out, k)
+            if vocab is not None:
+                index, top_tokens = holder.vocab_ids[index], holder.vocab_ids[top_tokens]
+            return index, confidence, top_tokens, top_p
+
+        return run
+
     with_logits = compile_whole(logits_and_drafts, target.compile_options, weights=holder)
     drafts_only = compile_whole(drafts, target.compile_options, weights=holder)
+    with_top: dict[int, Any] = {}  # per k: dynamo would guard on it anyway
 
-    def run(
-        hidden: torch.Tensor, logits: bool = True
-    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    def run(hidden: torch.Tensor, logits: bool = True, top: int = 0) -> tuple[torch.Tensor | None, ...]:
         rows = hidden.shape[0]
         # one row's slots, `hidden[:, 1:]`, start one state into their tensor; one slot goes in doubled
         hidden = fresh(at_least_two(hidden, 0))
         symbolic_sizes(hidden, 0)  # rows x slots
-        out = _run_compiled(with_logits if logits else drafts_only, "the drafter's LM head", hidden)
+        if top and not logits:
+            if top not in with_top:
+                with_top[top] = compile_whole(drafts_and_top(top), target.compile_options, weights=holder)
+            out = _run_compiled(with_top[top], "the drafter's LM head", hidden)
+        else:
+            out = _run_compiled(with_logits if logits else drafts_only, "the drafter's LM head", hidden)
         out = tuple(t[:rows].clone() for t in out)
         return out if logits else (None, *out)
 

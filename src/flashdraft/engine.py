@@ -425,16 +425,17 @@ class BatchDecoder:
         if self.tree_window is not None and row.anchor_position + n + 1 >= self.tree_window:
             raise RuntimeError(f"a draft tree was proposed past the target's {self.tree_window}-token window")
 
-    def _gather_block(self, order: torch.Tensor) -> None:
-        """Draft trees: each row's block columns (the cache's last n) put in `order` [b, n] (its accepted path
-        first), so the columns it keeps are the block's first ones, as a chain's are."""
-        n = order.shape[1]
+    def _gather_block(self, order: torch.Tensor, n: int) -> None:
+        """Draft trees: the first columns of each row's block (the cache's last n) taken from the block's columns
+        `order` [b, m] (its accepted path first), so the columns it keeps are the block's first ones, as a chain's
+        are; the block's other columns are dropped, as a rejected chain's are."""
+        m = order.shape[1]
         order = order.to(self.target.device)
         for layer in kv_layers(self.cache):
             for name in ("keys", "values"):
                 tail = getattr(layer, name)[:, :, -n:]
                 idx = order[:, None, :, None].expand(-1, tail.shape[1], -1, tail.shape[3])
-                tail.copy_(torch.gather(tail, 2, idx))
+                tail[:, :, :m].copy_(torch.gather(tail, 2, idx))
 
     @staticmethod
     def _constrain(rows: list[BatchRow], block: torch.Tensor, out: TargetOutput) -> dict[int, int]:
@@ -493,6 +494,7 @@ class BatchDecoder:
         finished, features, own_accepted, kept_counts = [], [], [], []
         paths: list[list[int] | None] = [None] * len(rows)  # tree rows: the nodes their target accepted
         order = torch.arange(n).repeat(len(rows), 1) if trees else None  # tree rows: their path first
+        moved = 0  # the longest path: the columns a tree row keeps are at most its path's
         # Greedy rows: one accept decision for all of them, one transfer to the host.
         greedy = [i for i, r in enumerate(rows) if r.sampling.greedy and i not in trees]
         # No copy of the logits when every row is greedy.
@@ -512,6 +514,7 @@ class BatchDecoder:
                     parents[i],
                     row.sampling,
                     row.uniforms(row.anchor_position + 1, n),
+                    None if out.greedy is None else (out.greedy[0][i], out.greedy[1][i]),
                 )
                 accepted = len(path) - 1
             elif self.proposer.sampled_drafts and not row.sampling.greedy:  # speculative sampling (p/q)
@@ -542,6 +545,7 @@ class BatchDecoder:
                 paths[i] = [c - 1 for c in path[1 : accepted + 1] if c <= real]
                 own_accepted.append(len(paths[i]))
                 order[i] = torch.tensor(path + [c for c in range(n) if c not in path])
+                moved = max(moved, len(path))
             emitted, stopped = cut_emitted(emitted, remaining[i], row.stops)
             if stopped:
                 reason = "stop_token"
@@ -567,8 +571,8 @@ class BatchDecoder:
                 res.proposer_stats = self.proposer.stats(i)
                 row.finish(reason)
                 finished.append(row)
-        if trees and not bool((order == torch.arange(n)).all()):
-            self._gather_block(order)
+        if trees and not bool((order[:, :moved] == torch.arange(moved)).all()):
+            self._gather_block(order[:, :moved], n)
         # Recurrent state: each row keeps its anchor + accepted drafts (its KV columns are masked below).
         self.target.keep(self.cache, kept_counts)
         # Verify forward + acceptance bookkeeping: what a step costs besides proposing.

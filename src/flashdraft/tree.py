@@ -156,14 +156,21 @@ def add_branch(
     )
 
 
+def top_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k most likely tokens [..., k] and their probabilities under the softmax of `logits` [..., V] (fp32):
+    a draft tree's candidates for a slot, reduced eagerly or inside the compiled head (compiled.draft_head)."""
+    top_logits, top_tokens = logits.topk(k, dim=-1)
+    return top_tokens, (top_logits.float() - torch.logsumexp(logits.float(), -1, keepdim=True)).exp()
+
+
 def slot_candidates(
-    logits: torch.Tensor, drafts: torch.Tensor, confidence: torch.Tensor, width: int
+    top_tokens: torch.Tensor, top_p: torch.Tensor, drafts: torch.Tensor, confidence: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each slot's candidates for a tree, on the host: tokens [b, D, width] and their draft probabilities. The
     drafter's own draft comes first, with its confidence (v1: the slot's argmax; DFlash2: the selector's token), then
-    the slot's most likely other tokens. `logits` [b, D, V], `drafts` and `confidence` [b, D]."""
-    top_logits, top_tokens = logits.topk(width, dim=-1)
-    top_p = (top_logits.float() - torch.logsumexp(logits.float(), -1, keepdim=True)).exp()
+    the slot's most likely other tokens. `top_tokens`, `top_p` [b, D, width]: the slots' `top_candidates`; `drafts`
+    and `confidence` [b, D]."""
+    width = top_tokens.shape[-1]
     top_p = top_p.masked_fill(top_tokens == drafts[..., None], -1.0)  # the draft itself is already first
     order = top_p.argsort(-1, descending=True)[..., : width - 1]
     tokens = torch.cat([drafts[..., None], top_tokens.gather(-1, order)], -1)
@@ -285,6 +292,7 @@ def verify_tree(
     parents: list[int],
     params: SamplingParams,
     uniforms: torch.Tensor | None,
+    reduced: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[list[int], list[int]]:
     """Accept the longest path of a tree block whose tokens are the target's own, and add the target's next token.
 
@@ -292,10 +300,16 @@ def verify_tree(
     block   the block's tokens; `parents` each column's parent (`block_parents`)
     uniforms  [depth + 1] the uniforms of the output positions after the anchor (sampling only): a column at depth d
               draws the token of position anchor + 1 + d with the d-th, as plain sampling does there
+    reduced  greedy: (argmax, non_finite_rows) of the logits [n] where the verify computed them already
     Returns (the accepted columns from the anchor, emitted tokens = the path's drafts + the target's token)."""
-    check_finite(logits, None)
+    if params.greedy and reduced is not None:
+        target, bad = reduced
+        if bool(bad.any()):
+            check_finite(logits, None)  # names the row
+    else:
+        check_finite(logits, None)
     if params.greedy:
-        target = logits.argmax(-1)
+        target = target if reduced is not None else logits.argmax(-1)
     else:
         at = torch.tensor(depths(parents))
         target = inverse_cdf_sample(target_probs(logits, params), uniforms[at])
@@ -317,6 +331,7 @@ __all__ = [
     "depths",
     "grow_tree",
     "slot_candidates",
+    "top_candidates",
     "tree_refusal",
     "tree_window",
     "verify_tree",
