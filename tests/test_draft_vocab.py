@@ -168,7 +168,8 @@ def test_the_compiled_draft_head_over_a_vocabulary_gives_the_eager_head_s_logits
     one."""
     from types import SimpleNamespace
 
-    from flashdraft.compiled import compile_options, draft_head
+    from flashdraft.compiled import compile_options
+    from flashdraft.compiled_draft import draft_head
     from flashdraft.model import draft_logits, scale_draft_logits
     from flashdraft.tree import top_candidates
 

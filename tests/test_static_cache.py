@@ -12,7 +12,8 @@ import torch
 
 from conftest import VOCAB, OracleProposer, hybrid_model, tiny_model
 from flashdraft import DFlashDraftModel, Target, attention, generate_ar
-from flashdraft.compiled import compile_verify, draft_block_pass, verify_forward
+from flashdraft.compiled import compile_verify, verify_forward
+from flashdraft.compiled_draft import draft_block_pass
 from flashdraft.engine import BatchDecoder
 from flashdraft.generate import generate, generate_batch, run
 from flashdraft.kv_cache import CAPACITY_STEP, MASK_STEP, VERIFY_BUCKETS, kv_layers, static_mask
@@ -396,7 +397,8 @@ def test_the_compiled_draft_head_gives_the_eager_head_s_logits_for_any_number_of
 
     from torch._dynamo.utils import counters
 
-    from flashdraft.compiled import compile_options, draft_head
+    from flashdraft.compiled import compile_options
+    from flashdraft.compiled_draft import draft_head
     from flashdraft.model import draft_logits
     from flashdraft.tree import top_candidates
 
@@ -455,7 +457,8 @@ def test_the_compiled_context_projection_is_the_eager_one_in_one_graph():
 
     from torch._dynamo.utils import counters
 
-    from flashdraft.compiled import compile_options, draft_context_pass
+    from flashdraft.compiled import compile_options
+    from flashdraft.compiled_draft import draft_context_pass
 
     torch.manual_seed(0)
     model = tiny_model("llama", layers=4)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .compiled import draft_block_pass, draft_context_pass, draft_head
+from .compiled_draft import draft_block_pass, draft_context_pass, draft_head
 from .costs import CostModel
 from .grammar import steer_drafts
 from .kv_cache import CAPACITY_STEP, uses_static_cache
@@ -156,7 +156,8 @@ class BatchedDFlashProposer(BatchProposer):
             )
         )
         self.head_drafts = compiled_head  # (logits, greedy drafts, confidences) in one graph
-        self.head_logits = single.head_logits if compiled_head is None else _logits_of(compiled_head)
+        # the logits alone (DFlash2's candidate selector reads them and selects its own drafts)
+        self.head_logits = single.head_logits if compiled_head is None else lambda h: compiled_head(h)[0]
         self.cache = self._new_cache()
         self.absorbed: list[int] = []  # context tokens of each row already in the draft cache
         self.pending: list[torch.Tensor | None] = []  # [k, F] features not yet projected, per row
@@ -630,16 +631,6 @@ class BatchedDFlashProposer(BatchProposer):
             table = getattr(self.calibration, "draft" if source == "dflash" else source)
             table.update(keys, n, a)
             self._last[i] = None
-
-
-def _logits_of(head: Any) -> Any:
-    """The logits alone of a compiled head that also returns its greedy drafts (DFlash2's candidate selector reads
-    the logits and selects its own drafts)."""
-
-    def logits(hidden: torch.Tensor) -> torch.Tensor:
-        return head(hidden)[0]
-
-    return logits
 
 
 def _extended(expected: torch.Tensor, more: int) -> torch.Tensor:

@@ -158,7 +158,7 @@ def add_branch(
 
 def top_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's k most likely tokens [..., k] and their probabilities under the softmax of `logits` [..., V] (fp32):
-    a draft tree's candidates for a slot, reduced eagerly or inside the compiled head (compiled.draft_head)."""
+    a draft tree's candidates for a slot, reduced eagerly or inside the compiled head (compiled_draft.draft_head)."""
     top_logits, top_tokens = logits.topk(k, dim=-1)
     return top_tokens, (top_logits.float() - torch.logsumexp(logits.float(), -1, keepdim=True)).exp()
 
@@ -305,14 +305,14 @@ def verify_tree(
     if params.greedy and reduced is not None:
         target, bad = reduced
         if bool(bad.any()):
-            check_finite(logits, None)  # names the row
+            check_finite(logits, None)  # raises, naming the row
     else:
         check_finite(logits, None)
-    if params.greedy:
-        target = target if reduced is not None else logits.argmax(-1)
-    else:
-        at = torch.tensor(depths(parents))
-        target = inverse_cdf_sample(target_probs(logits, params), uniforms[at])
+        if params.greedy:
+            target = logits.argmax(-1)
+        else:
+            at = torch.tensor(depths(parents))
+            target = inverse_cdf_sample(target_probs(logits, params), uniforms[at])
     target = target.tolist()
     path = accepted_path(parents, block, target)
     return path, [block[c] for c in path[1:]] + [target[path[-1]]]
