@@ -20,10 +20,10 @@ the cache's last columns, which are cropped.
 Every KV layer is a `KVBuffer` (kv_cache.py): a verify writes its columns in place and a rollback moves a length. On
 a GPU the cache is static (a capacity fixed when rows join, attention over the whole buffer under the engine's mask),
 verify lengths are padded to a few buckets (1, 2, 4, 8, 16, 32, or the block), and the verify (with the drafter's
-block pass) can be compiled (`--compile`, compiled.py: a CUDA graph per shape on a GPU, frozen C++ kernels on a
-CPU). `valid` lives on the host, so a step waits for the device once: greedy rows are accepted with one transfer
-(a drafter's fixed block goes to the verify without a stop; the cost-aware policy reads the drafts and their
-confidences on the host, a second one).
+block pass) can be compiled (`--compile`, compiled.py and compiled_draft.py: a CUDA graph per shape on a GPU,
+frozen C++ kernels on a CPU). `valid` lives on the host, so a step waits for the device once: greedy rows are
+accepted with one transfer (a drafter's fixed block goes to the verify without a stop; the cost-aware policy reads
+the drafts and their confidences on the host, a second one).
 
 A row that finishes or is cancelled leaves between steps and its cache rows are freed at once. `generate`,
 `generate_ar`, `generate_batch` and the server all run this loop. At temperature 0 each row's output is the target's

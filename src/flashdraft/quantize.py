@@ -4,7 +4,7 @@ int8: every `nn.Linear` of the model (the LM head included) becomes an `Int8Line
 output channel (symmetric, absmax / 127), applied by torch's `_weight_int8pack_mm`. The activations are the model's
 dtype: bf16 by default (ATen's kernel is fast for them on CPUs with bf16 instructions), or fp32 (`--dtype float32`),
 for the compiled path (`--compile`): there inductor's C++ GEMM template multiplies fp32 rows by the int8 weights
-(compiled.py registers the fp32 x int8 micro-kernel inductor ships but does not offer), where ATen's fp32 kernel is
+(cpu_gemm.py registers the fp32 x int8 micro-kernel inductor ships but does not offer), where ATen's fp32 kernel is
 slower than an fp32 matmul. Eager, an fp32 `Int8Linear` dequantizes its weight and runs an fp32 matmul (the prefill,
 and a target the static cache cannot serve). The embedding stays in the model's dtype.
 
