@@ -70,14 +70,15 @@ def register_cpu_gemm_kernels(without: frozenset[str] = frozenset()) -> None:
         _bf16_pairs(micro, configs, VecAVX512)
     if amx and "amx" not in without:
         _amx_at_any_rows(micro)
-        _SERVING["bf16"] = "amx"
+        _SERVING["bf16"] = _SERVING["default"] = "amx"
     elif pairs and "bf16-pairs" not in without:
-        _SERVING["bf16"] = "pairs"
+        _SERVING["bf16"] = _SERVING["default"] = "pairs"
 
 
 # Which kernel serves bf16 rows in the graphs compiled from here on ("amx", "pairs" or None: inductor's own), read
-# by the table's checks as inductor chooses; set by `register_cpu_gemm_kernels`, changed by `serving_bf16_rows`.
-_SERVING: dict[str, str | None] = {"bf16": None}
+# by the table's checks as inductor chooses; set by `register_cpu_gemm_kernels` (with "default", this CPU's), changed
+# by `serving_bf16_rows`.
+_SERVING: dict[str, str | None] = {"bf16": None, "default": None}
 
 
 def bf16_rows_kernel() -> str | None:
@@ -92,8 +93,8 @@ def bf16_rows_kernel() -> str | None:
 def bf16_row_kernels() -> tuple[str, ...]:
     """The kernels that can serve bf16 rows on this CPU (`serving_bf16_rows`): AMX and the pair kernel on an AMX
     CPU, the pair kernel with avx512_bf16, none elsewhere."""
-    kernel = bf16_rows_kernel()
-    return {"amx": ("amx", "pairs"), "pairs": ("pairs",)}.get(kernel or "", ())
+    register_cpu_gemm_kernels()
+    return {"amx": ("amx", "pairs"), "pairs": ("pairs",)}.get(_SERVING["default"] or "", ())
 
 
 @contextlib.contextmanager
