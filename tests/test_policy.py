@@ -8,6 +8,7 @@ import torch
 from conftest import VOCAB
 from flashdraft import DFlashDraftModel, Target, generate, generate_ar
 from flashdraft.batched_dflash import BatchedDFlashProposer
+from flashdraft.calibration import DEPTH_GROUPS, Calibration
 from flashdraft.costs import CostModel
 from flashdraft.engine import BatchDecoder
 from flashdraft.kv_cache import bucket
@@ -56,6 +57,28 @@ def test_acceptance_table_counts_only_trials():
         torch.tensor([0, 1, 2]), num_verified=3, num_accepted=1
     )  # slot 0 hit, slot 1 miss, 2 untried
     assert table.p(torch.tensor([0, 1, 2])).tolist() == pytest.approx([2 / 3, 1 / 3, 0.5])
+
+
+def test_the_drafter_s_acceptance_is_learned_per_depth_and_per_candidate_rank():
+    cal = Calibration()
+    sure = torch.full((6,), 0.93)  # the same confidence at every depth of a chain
+    keys = cal.draft_keys(sure)
+    groups = torch.bucketize(torch.arange(6), torch.tensor(DEPTH_GROUPS), right=True) - 1
+    # one key per depth group, the depths of a group sharing theirs
+    assert [len(set(keys[groups == g].tolist())) for g in range(len(DEPTH_GROUPS))] == [1] * len(DEPTH_GROUPS)
+    assert len(set(keys.tolist())) == len(DEPTH_GROUPS)
+    # a tree's slot d holds the chain's key for its own draft, another for the lower candidates (same confidence)
+    tree_keys = cal.draft_keys(torch.full((6, 3), 0.93), candidates=True)
+    assert tree_keys[:, 0].tolist() == keys.tolist()
+    assert not set(tree_keys[:, 1:].flatten().tolist()) & set(keys.tolist())
+    assert int(tree_keys.max()) < cal.tree_lookup_key
+    # first drafts rejected again and again at that confidence: only the first depth's estimate falls
+    before = cal.draft.p(keys).tolist()
+    for _ in range(20):
+        cal.draft.update(keys, num_verified=6, num_accepted=0)
+    after = cal.draft.p(keys).tolist()
+    assert after[0] < 0.2 < before[0] == pytest.approx(0.925)
+    assert after[1:] == pytest.approx(before[1:])
 
 
 def test_prompt_lookup_takes_the_latest_longest_match():

@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import functools
 import time
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .calibration import JUMP_FORWARD_MAX_TOKENS, calibration_for
 from .compiled_draft import draft_block_pass, draft_context_pass, draft_head
 from .costs import CostModel
 from .grammar import steer_drafts
 from .kv_cache import CAPACITY_STEP, uses_static_cache
-from .lookup import LOOKUP_MAX_NGRAM, LOOKUP_MAX_TOKENS, lookup_with_keys
+from .lookup import lookup_with_keys
 from .model import PAD_POSITION, DFlashDraftModel, DraftContextCache
-from .policy import AcceptanceTable, confidence_keys, confidence_prior, expected_tokens
+from .policy import expected_tokens
 from .proposers import BatchProposer, DFlashProposer, Paths
 from .request import GenerationError
 from .sampling import DRAFT_STREAM, position_uniforms
@@ -46,30 +46,6 @@ MAX_SKIP_STEPS = 32
 LAZY_HEAD_PRICE = 2.0
 # Draft trees: candidates kept per block slot (the drafter's own draft and the slot's next most likely tokens).
 TREE_WIDTH = 4
-# Jump-forward (constrained rows): at most this many tokens of the text the grammar forces, proposed for free.
-JUMP_FORWARD_MAX_TOKENS = 15
-
-
-class _Calibration:
-    """Acceptance tables of one drafter/target pair, shared by every generation in the process."""
-
-    def __init__(self) -> None:
-        self.confidence_bins = 20
-        # Lookup: keyed by (matched n-gram size, slot); prior 0.5 for the first slot, lower further out.
-        lookup_prior = [0.5 * 0.9**slot for _ in range(LOOKUP_MAX_NGRAM) for slot in range(LOOKUP_MAX_TOKENS)]
-        self.lookup = AcceptanceTable(lookup_prior)
-        # Keyed by confidence bin: keys 0..bins-1 the drafter's own drafts, bins..2*bins-1 the other candidates of a
-        # draft tree's slots (a token the drafter ranked lower is accepted at another rate than its top one with the
-        # same probability); both start calibrated (p = confidence). Then a draft tree's nodes from prompt lookup
-        # (`tree.add_branch`), keyed as the lookup table is, from `tree_lookup_key` on.
-        drafts = confidence_prior(self.confidence_bins, groups=2)
-        self.tree_lookup_key = len(drafts)
-        self.draft = AcceptanceTable(drafts + lookup_prior)
-        # Jump-forward, keyed by slot: the forced text is certain, its spelling is not (RowGrammar.jump_forward).
-        self.grammar = AcceptanceTable([0.8 * 0.9**slot for slot in range(JUMP_FORWARD_MAX_TOKENS)])
-
-
-_CALIBRATIONS: weakref.WeakKeyDictionary[DFlashDraftModel, _Calibration] = weakref.WeakKeyDictionary()
 
 
 class BatchedDFlashProposer(BatchProposer):
@@ -137,7 +113,7 @@ class BatchedDFlashProposer(BatchProposer):
         self.tap_layer_ids = single.tap_layer_ids
         self.max_block_size = single.max_block_size
         self.mask_token_id = single.mask_token_id
-        self.calibration = _CALIBRATIONS.setdefault(draft, _Calibration())
+        self.calibration = calibration_for(draft)
         # Beside a static target cache the draft context is static too, and its block pass compiled with the verify.
         self.static = uses_static_cache(target)
         self.block_pass = draft_block_pass(self.draft, target) if self.static else None
@@ -398,9 +374,7 @@ class BatchedDFlashProposer(BatchProposer):
         if self.tree_window is not None and row.anchor_position + longest + 2 >= self.tree_window:
             return None
         tokens, p = self._candidates
-        bins = self.calibration.confidence_bins
-        keys = confidence_keys(p[index, :depth], bins)
-        keys[:, 1:] += bins  # the other candidates' own calibration
+        keys = self.calibration.draft_keys(p[index, :depth], candidates=True)
         return grow_tree(tokens[index, :depth], self.calibration.draft.p(keys), keys, budget)
 
     # -------------------------------------------------------------- the policy
@@ -556,7 +530,7 @@ class BatchedDFlashProposer(BatchProposer):
     ) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, DraftTree | None]]:
         """Per row: (source, tokens, keys, expected tokens by proposals verified, tree): its draft (a chain, or a
         tree) or its free proposal (`_free_proposal`), whichever is expected to give more."""
-        keys = confidence_keys(confidence, self.calibration.confidence_bins)
+        keys = self.calibration.draft_keys(confidence)
         choices = []
         for i, (row, m) in enumerate(zip(rows, max_drafts, strict=True)):
             tree = self._tree_for(i, row, m, self.tree or 0)

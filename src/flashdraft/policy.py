@@ -3,7 +3,7 @@
 Verifying n proposals yields E(n) = 1 + sum_{k<=n} prod_{j<=k} p_j tokens (the target's own token always comes),
 where p_j = P(proposal j accepted | proposals before it accepted). A step costs t_propose + t_verify(n + 1).
 `best_verify_length` picks the n in 0..N with the most tokens per second. The p_j come from `AcceptanceTable`s
-learned online from the steps already verified.
+learned online from the steps already verified (calibration.py: the drafter's keyed by confidence and depth).
 """
 
 from __future__ import annotations
