@@ -28,6 +28,7 @@ class Calibration:
     def __init__(self, depth_groups: tuple[int, ...] = DEPTH_GROUPS) -> None:
         self.confidence_bins = 20
         self.depth_groups = depth_groups
+        self._offsets: dict[int, torch.Tensor] = {}
         # Lookup: keyed by (matched n-gram size, slot); prior 0.5 for the first slot, lower further out.
         lookup_prior = [0.5 * 0.9**slot for _ in range(LOOKUP_MAX_NGRAM) for slot in range(LOOKUP_MAX_TOKENS)]
         self.lookup = AcceptanceTable(lookup_prior)
@@ -46,15 +47,20 @@ class Calibration:
         """The drafter table's keys of drafts with these confidences: [..., D] the drafts of slots 0..D-1 (a slot's
         depth in a chain), or with `candidates` [D, W] each slot's W draft-tree candidates, the drafter's own draft
         first (a tree's node at slot d is d deep)."""
-        bins = self.confidence_bins
-        keys = confidence_keys(confidence, bins)
-        slots = confidence.shape[-2] if candidates else confidence.shape[-1]
-        group = torch.bucketize(torch.arange(slots), torch.tensor(self.depth_groups), right=True) - 1
-        offset = 2 * bins * group
+        keys = confidence_keys(confidence, self.confidence_bins)
+        offset = self._depth_offsets(confidence.shape[-2] if candidates else confidence.shape[-1])
         if not candidates:
             return keys + offset
-        keys[:, 1:] += bins
+        keys[:, 1:] += self.confidence_bins
         return keys + offset[:, None]
+
+    def _depth_offsets(self, slots: int) -> torch.Tensor:
+        """[slots]: the first key of each slot's depth group (asked twice a step: made once per slot count)."""
+        offsets = self._offsets.get(slots)
+        if offsets is None:
+            group = torch.bucketize(torch.arange(slots), torch.tensor(self.depth_groups), right=True) - 1
+            offsets = self._offsets[slots] = 2 * self.confidence_bins * group
+        return offsets
 
 
 _CALIBRATIONS: weakref.WeakKeyDictionary[Any, Calibration] = weakref.WeakKeyDictionary()
@@ -62,7 +68,10 @@ _CALIBRATIONS: weakref.WeakKeyDictionary[Any, Calibration] = weakref.WeakKeyDict
 
 def calibration_for(draft: Any, depth_groups: tuple[int, ...] | None = None) -> Calibration:
     """The process's tables for this drafter, made on first use (with these depth groups: an A/B's)."""
-    return _CALIBRATIONS.setdefault(draft, Calibration(depth_groups or DEPTH_GROUPS))
+    calibration = _CALIBRATIONS.get(draft)
+    if calibration is None:
+        calibration = _CALIBRATIONS[draft] = Calibration(depth_groups or DEPTH_GROUPS)
+    return calibration
 
 
 __all__ = ["DEPTH_GROUPS", "JUMP_FORWARD_MAX_TOKENS", "Calibration", "calibration_for"]
