@@ -144,3 +144,18 @@ class _Named(torch.nn.Module):
     def __init__(self, implementation: str) -> None:
         super().__init__()
         self.config = type("Config", (), {"_attn_implementation": implementation})()
+
+
+def test_the_operator_s_cpu_kernel_is_the_library_s_own_and_names_bad_input():
+    """The library registers the operator's CPU kernel itself (C++: a compiled graph's call goes from the dispatcher
+    to the kernel, no Python in between), and input it cannot take is refused with a line that says why."""
+    dump = torch._C._dispatch_dump("flashdraft::short_attention")
+    cpu = [line for line in dump.splitlines() if line.startswith("CPU:")]
+    assert len(cpu) == 1 and ".cpp:" in cpu[0], dump
+    q, k, v = qkv(1, 4, 2, 2, 16, 64, 64, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="must share a dtype"):
+        cpu_attention.short_attention(q.float(), k, v, None, 0.125)
+    with pytest.raises(RuntimeError, match="wider than the keys"):
+        cpu_attention.short_attention(q, k, v, torch.ones(1, 1, 2, 17, dtype=torch.bool), 0.125)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        cpu_attention.short_attention(q, k[:, :, :, :32], v, None, 0.125)
