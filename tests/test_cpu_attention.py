@@ -159,3 +159,7 @@ def test_the_operator_s_cpu_kernel_is_the_library_s_own_and_names_bad_input():
         cpu_attention.short_attention(q, k, v, torch.ones(1, 1, 2, 17, dtype=torch.bool), 0.125)
     with pytest.raises(RuntimeError, match="do not fit"):
         cpu_attention.short_attention(q, k[:, :, :, :32], v, None, 0.125)
+    with pytest.raises(RuntimeError, match="value's rows or heads"):
+        cpu_attention.short_attention(q, k, v[:, :1], None, 0.125)
+    with pytest.raises(RuntimeError, match="mask's rows, heads or queries"):
+        cpu_attention.short_attention(q, k, v, torch.ones(1, 1, 3, 16, dtype=torch.bool), 0.125)

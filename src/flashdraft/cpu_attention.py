@@ -328,6 +328,8 @@ at::Tensor short_attention(const at::Tensor& query, const at::Tensor& key, const
   const int64_t b = query.size(0), heads = query.size(1), n = query.size(2), d = query.size(3);
   const int64_t kv_heads = key.size(1), dv = value.size(3);
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0 && key.size(3) == d, op, "the key's heads do not fit the query's");
+  TORCH_CHECK(key.size(0) == b && value.size(0) == b && value.size(1) == kv_heads, op,
+              "the value's rows or heads do not fit the key's");
   at::Tensor out = at::empty({b, n, heads, dv}, query.options());
   int64_t width = key.size(2), kind = @NONE@, m_row = 0, m_head = 0, m_tok = 0;
   const void* m = query.data_ptr();
@@ -338,11 +340,15 @@ at::Tensor short_attention(const at::Tensor& query, const at::Tensor& key, const
     TORCH_CHECK(kind == @BOOL@ || t.scalar_type() == query.scalar_type(), op, "an added mask must have the query's dtype");
     width = t.size(3);
     TORCH_CHECK(width <= key.size(2), op, "the mask is wider than the keys");
+    TORCH_CHECK((t.size(0) == 1 || t.size(0) == b) && (t.size(1) == 1 || t.size(1) == heads) &&
+                    (t.size(2) == 1 || t.size(2) == n),
+                op, "the mask's rows, heads or queries do not fit the query's");
     m_row = t.size(0) == 1 ? 0 : t.stride(0);  // a broadcast dimension's index stays 0
     m_head = t.size(1) == 1 ? 0 : t.stride(1);
     m_tok = t.size(2) == 1 ? 0 : t.stride(2);
     m = t.data_ptr();
   }
+  TORCH_CHECK(value.size(2) >= width, op, "the value has fewer columns than the mask or the keys");
 #define FLASHDRAFT_ATTEND(NS, C)                                                                                  \
   NS::kernel(query.data_ptr<C>(), key.data_ptr<C>(), value.data_ptr<C>(), m, out.data_ptr<C>(), b, heads,       \
              kv_heads, n, width, d, dv, query.stride(0), query.stride(1), query.stride(2), key.stride(0),         \
