@@ -18,10 +18,10 @@ each the bits of the one-token step, and a draft tree's node (its ancestors earl
 hidden) the bits it gets on its own path (tests/test_cpu_attention.py).
 
 The operator's CPU implementation is C++ too (`TORCH_LIBRARY_IMPL`, registered as the library loads), so a compiled
-graph's call goes from the dispatcher straight to the kernel: through a Python implementation each call cost 6-18 us
-more (a 2-core EPYC, one query over 64 columns), 30 calls a decode step of SmolLM2-135M (the int8 one-token verify
-9.36 -> 8.90 ms, benchmarks/README.md). One library for both dtypes, compiled with inductor's compiler, flags and
-vector ISA and linked to libtorch (`CppCodeCache`, cached on disk as inductor's kernels are) on first use, about 20 s.
+graph's call goes from the dispatcher straight to the kernel: through a Python implementation each call cost 7-30 us
+more (a 2-core EPYC, one query over 64 columns: warm, after a GEMM, after a pause), 30 calls a decode step of
+SmolLM2-135M (the int8 one-token verify 9.36 -> 8.90 ms, benchmarks/README.md). One library for both dtypes,
+compiled with inductor's compiler, flags and vector ISA and linked to libtorch (`CppCodeCache`, cached on disk as inductor's kernels are) on first use, about 20 s.
 """
 
 from __future__ import annotations
@@ -416,7 +416,7 @@ def prepare(dtype: torch.dtype) -> bool:
                 "flashdraft: the CPU attention kernel did not build (%s); using two products",
                 str(err).splitlines()[0] if str(err) else type(err).__name__,
             )
-    return _built and dtype in DTYPES
+    return ready(dtype)
 
 
 def ready(dtype: torch.dtype) -> bool:
