@@ -21,7 +21,8 @@ The operator's CPU implementation is C++ too (`TORCH_LIBRARY_IMPL`, registered a
 graph's call goes from the dispatcher straight to the kernel: through a Python implementation each call cost 7-30 us
 more (a 2-core EPYC, one query over 64 columns: warm, after a GEMM, after a pause), 30 calls a decode step of
 SmolLM2-135M (the int8 one-token verify 9.36 -> 8.90 ms, benchmarks/README.md). One library for both dtypes,
-compiled with inductor's compiler, flags and vector ISA and linked to libtorch (`CppCodeCache`, cached on disk as inductor's kernels are) on first use, about 20 s.
+compiled with inductor's compiler, flags and vector ISA and linked to libtorch (`CppCodeCache`, cached on disk as
+inductor's kernels are) on first use, about 20 s.
 """
 
 from __future__ import annotations
