@@ -106,3 +106,28 @@ def test_int8_weights_with_bf16_rows_run_the_bf16_kernel_with_a_row_s_bits_at_an
                 assert torch.equal(out[0, i], alone[i]), f"row {i} of {rows}"
         assert "".join(code).count(MARKS[kernel]) == 2
         _bf16_close(out, model(x).float())
+
+
+def test_the_one_row_int8_graph_blocks_k_by_the_int8_weights_the_pair_kernel_reads():
+    """inductor sizes a static row count's k blocks for bf16 x int8 as if each weight took two bytes in L1 (AMX's
+    bf16 copy); the pair kernel converts in registers, so the one-token step's blocks are what L1 holds of the int8
+    weights (the whole of k here where L1 has room), as the verify's run-time blocks are. A row's bits are the same
+    either way (the kernel reads its sums back across k blocks); only a second pass over the accumulators goes."""
+    import re
+
+    from flashdraft.quantize import Int8Linear
+
+    if "pairs" not in bf16_row_kernels():
+        pytest.skip("no pair kernel on this CPU")
+    torch.manual_seed(0)
+    layer = Int8Linear(torch.nn.Linear(576, 96, bias=False), torch.bfloat16).eval()
+    x = torch.randn(1, 576).bfloat16()
+    l1 = torch.cpu.get_capabilities().get("l1d_cache_size", 0) * 0.8
+    want = min(576 // 2, int(l1 // (2 * 48)))  # k in pairs, 48 columns of int8 bytes
+    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False), _serving("pairs"):
+        torch._dynamo.reset()
+        out, code = run_and_get_code(_frozen(layer, layer), x)
+    blocks = re.findall(r"constexpr int64_t Kc_blocks = (\d+);", "".join(code))
+    assert blocks == [str(want)]
+    assert want > int(l1 // (2 * 48 * 2))  # more than inductor's own rule gives
+    _bf16_close(out, layer(x).float())
