@@ -62,8 +62,13 @@ def compile_verify(target: Any) -> str | None:
         return (
             "--compile: fp16 weights run through fbgemm's own kernel, which is not compiled; decoding eagerly"
         )
+    options = compile_options(target.device)
+    if target.quantize == "w8a8" and target.device.type == "cpu":
+        note = _w8a8_refusal(options)
+        if note is not None:
+            return f"--compile: {note}; decoding eagerly"
     target.static_cache = True
-    target.compile_options = compile_options(target.device)
+    target.compile_options = options
     from . import packed_linear
 
     if packed_linear.unpack_linears(target.model):  # dense layers for inductor, which packs its own
@@ -74,6 +79,26 @@ def compile_verify(target: Any) -> str | None:
         target.model, target.dtype, target.device, compiled=True
     ):  # before anything is traced
         attention.use(target.model, target.dtype)
+    return None
+
+
+def _w8a8_refusal(options: dict[str, Any]) -> str | None:
+    """Why a w8a8 target (quantize.W8A8Linear) cannot compile with these options, or None. Its graphs hold the int8
+    weight as a frozen constant that only inductor's C++ GEMM template reads (ATen's op takes oneDNN's packed
+    layout), so the CPU needs the template's int8 micro-kernels and the options must freeze and take the template
+    (as the CPU defaults do; a `$FLASHDRAFT_COMPILE` may not)."""
+    from .quantize import w8a8_compiles
+
+    if not w8a8_compiles():
+        return "int8 activations compile through inductor's avx512_vnni or AMX kernels, which this CPU lacks"
+    inductor = options.get("options") or {}
+    backends = str(inductor.get("max_autotune_gemm_backends", "ATEN,TRITON,CPP")).upper().split(",")
+    templates = inductor.get("max_autotune") or inductor.get("max_autotune_gemm")
+    if not (inductor.get("freezing") and templates and "CPP" in backends):
+        return (
+            "int8 activations compile only frozen, through inductor's C++ GEMM template (freezing, "
+            "max_autotune_gemm and its CPP backend), which $FLASHDRAFT_COMPILE leaves out"
+        )
     return None
 
 

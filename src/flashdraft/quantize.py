@@ -1,4 +1,4 @@
-"""Weight-only quantized targets on the CPU (`--quantize int8|fp16`): fewer bytes read per decode step.
+"""Quantized targets on the CPU (`--quantize int8|w8a8|fp16`): fewer bytes read, and less arithmetic, per step.
 
 int8: every `nn.Linear` of the model (the LM head included) becomes an `Int8Linear`: int8 weights with one scale per
 output channel (symmetric, absmax / 127), applied by torch's `_weight_int8pack_mm`. The activations are the model's
@@ -7,6 +7,17 @@ for the compiled path (`--compile`): there inductor's C++ GEMM template multipli
 (cpu_gemm.py registers the fp32 x int8 micro-kernel inductor ships but does not offer), where ATen's fp32 kernel is
 slower than an fp32 matmul. Eager, an fp32 `Int8Linear` dequantizes its weight and runs an fp32 matmul (the prefill,
 and a target the static cache cannot serve). The embedding stays in the model's dtype.
+
+w8a8: every `nn.Linear` becomes a `W8A8Linear`: the int8 weights of `Int8Linear` (fp32 scales), and int8 activations,
+each row quantized alone (its absmax / 127), multiplied in integers. Past a few rows int8 weights with bf16 rows are
+bound by arithmetic (each weight widened to bf16, one `vdpbf16ps` per row and pair of k); int8 x int8 through
+avx512_vnni's `vpdpbusd` multiplies four k per lane without widening anything. On a 2-core Zen 5 EPYC the verify of
+8 / 16 tokens cost 1.38-1.48 / 1.87-2.00 one-token steps against int8 weight-only's 1.42 / 2.38, but the step itself
+6.2-7.0 ms against 5.4 (each layer's rows quantized first), so there int8 weight-only is as fast or faster
+(benchmarks/README.md, 2026-12-02). Integer sums are exact in any order, so a verify is batch-invariant whatever
+kernel runs it. The model is a little less accurate than int8 weight-only: SmolLM2-135M's NLL on GSM8K solutions
+1.906 against 1.877 (fp32 1.875; benchmarks/scripts/quantization_quality.py); llama.cpp's Q8_0 also quantizes
+activations, in blocks of 32.
 
 fp16: every `nn.Linear` becomes an `Fp16Linear`: its weights rounded to fp16 once and packed for fbgemm's fp16 GEMM
 (`quantized.linear_dynamic_fp16`, x86), which reads them at half the bytes of fp32 and multiplies in fp32; the
@@ -39,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-QUANTIZE_SCHEMES = ("int8", "fp16")
+QUANTIZE_SCHEMES = ("int8", "w8a8", "fp16")
 # A prompt's prefill takes an int8 layer through a bf16 GEMM from this many rows (`prefill`): on a 2-core Zen 4 EPYC
 # a 1536 x 576 layer at 16 / 150 rows took 197 / 1809 us through ATen's int8 kernel, 195 / 735 dequantized.
 PREFILL_GEMM_ROWS = 32
@@ -103,6 +114,95 @@ class Int8Linear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, {scales} scales"
         )
+
+
+class W8A8Linear(Int8Linear):
+    """y = dequant(quant(x) @ weight_int8.T) + bias: int8 weights (one scale per output channel, as `Int8Linear`)
+    and int8 activations, each row of `x` quantized alone (symmetric, its absmax / 127), multiplied in integers.
+
+    The product of a row's int8 codes with an int8 weight column is exact in int32 whatever the kernel, the order of
+    its sum or the rows beside it, and the scales are applied element by element after it: a token gets the same
+    bits in a verify of any length as in a one-token step (batch invariance by construction, not by a kernel's
+    reduction order). Compiled, `onednn.qlinear_pointwise` is what inductor's C++ GEMM template lowers with its
+    avx512_vnni micro-kernel (`vpdpbusd`: 64 products per instruction, no weight widened) or AMX's, the
+    quantization of the rows and the scales fused around it in one kernel; the activation codes are unsigned (code
+    + 128, the template's zero point, its compensation a constant per column). Eager (a prefill, a target the static
+    cache cannot serve), oneDNN's int8 GEMM on the weight in its own layout, made once. The weight is held as
+    [in, out] (`weight_kn`), the layout the template's lowering reads from the frozen graph's constants."""
+
+    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype = torch.bfloat16) -> None:
+        nn.Module.__init__(self)
+        weight = linear.weight.detach().float()
+        scales = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        quantized = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("weight_kn", quantized.t().contiguous())
+        self.register_buffer("scales", scales.contiguous())  # fp32: the epilogue is fp32
+        self.register_buffer("zero_points", torch.zeros(scales.numel(), dtype=torch.int32), persistent=False)
+        bias = linear.bias
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+        self.compute_dtype = compute_dtype
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self._onednn: torch.Tensor | None = None  # oneDNN's packed copy of the weight, for eager calls
+
+    @property
+    def weight_int8(self) -> torch.Tensor:  # type: ignore[override]
+        """The int8 weight as [out, in] (a view)."""
+        return self.weight_kn.t()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight (a new tensor each call)."""
+        return (self.weight_int8.float() * self.scales[:, None]).to(self.compute_dtype)
+
+    def select_rows(self, ids: torch.Tensor) -> W8A8Linear:
+        part = copy.copy(self)
+        part._buffers = dict(self._buffers)
+        part.weight_kn = self.weight_kn[:, ids].contiguous()
+        part.scales = self.scales[ids].contiguous()
+        part.zero_points = self.zero_points[ids].contiguous()
+        part.bias = None if self.bias is None else self.bias[ids].contiguous()
+        part.out_features = ids.numel()
+        part._onednn = None
+        return part
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1]).float()
+        scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127
+        codes = (torch.round(rows / scale).clamp(-127, 127) + W8A8_ZERO_POINT).to(torch.uint8)
+        if torch.compiler.is_compiling():
+            weight = self.weight_kn  # a constant of the frozen graph: the template packs it at compile time
+        else:
+            if self._onednn is None:
+                self._onednn = torch.ops.onednn.qlinear_prepack(self.weight_int8.contiguous(), None)
+            weight = self._onednn
+        out = torch.ops.onednn.qlinear_pointwise(
+            codes, 1.0, W8A8_ZERO_POINT, weight, self.scales, self.zero_points, None, 1.0, 0,
+            torch.float32, "none", [], "",
+        )  # fmt: skip
+        out = out * scale
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(self.compute_dtype).reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, int8 weights and activations"
+        )
+
+
+W8A8_ZERO_POINT = 128  # the activation codes' offset: the micro-kernels multiply unsigned by signed bytes
+
+
+def w8a8_available() -> bool:
+    """torch has oneDNN's int8 linear here (x86 builds)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+def w8a8_compiles() -> bool:
+    """inductor's C++ GEMM template has an int8 x int8 micro-kernel for this CPU (avx512_vnni or AMX): else a
+    frozen graph would call oneDNN's op on a weight not in oneDNN's layout."""
+    return torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported()
 
 
 _PREFILL: ContextVar[bool] = ContextVar("flashdraft_int8_prefill", default=False)
@@ -232,9 +332,13 @@ def check_quantize(scheme: str | None, dtype: torch.dtype | None, device: torch.
                 f"{str(dtype).removeprefix('torch.')}: use --dtype float32 or leave --dtype out"
             )
         return
+    if scheme == "w8a8" and not w8a8_available():
+        raise QuantizeError(
+            "--quantize w8a8 needs oneDNN's int8 linear, which this torch lacks (x86 builds have it)"
+        )
     if dtype is not None and dtype not in (torch.bfloat16, torch.float32):
         raise QuantizeError(
-            f"--quantize int8 runs bf16 activations (or fp32 ones, compiled), not "
+            f"--quantize {scheme} runs bf16 activations (or fp32 ones), not "
             f"{str(dtype).removeprefix('torch.')}: use --dtype bfloat16, float32, or leave --dtype out"
         )
 
@@ -248,11 +352,13 @@ def quantize_int8(model: nn.Module) -> int:
 @torch.no_grad()
 def quantize(model: nn.Module, scheme: str) -> int:
     """Quantize `model` in place by `scheme` (QUANTIZE_SCHEMES): every nn.Linear becomes an Int8Linear (a bf16 or
-    fp32 model, whose dtype its activations keep) or an Fp16Linear (an fp32 model); returns how many."""
+    fp32 model, whose dtype its activations keep), a W8A8Linear (likewise) or an Fp16Linear (an fp32 model); returns
+    how many."""
     if scheme == "fp16":
         return _replace_linears(model, Fp16Linear)
     dtype = next(model.parameters()).dtype
-    return _replace_linears(model, lambda linear: Int8Linear(linear, compute_dtype=dtype))
+    kind = W8A8Linear if scheme == "w8a8" else Int8Linear
+    return _replace_linears(model, lambda linear: kind(linear, compute_dtype=dtype))
 
 
 def _replace_linears(model: nn.Module, kind: Any) -> int:
@@ -269,9 +375,11 @@ def _replace_linears(model: nn.Module, kind: Any) -> int:
 
 
 def quantization_of(model: nn.Module) -> str | None:
-    """The scheme `quantize` applied to this model ("int8", "fp16"), else None (what the cost model and the
+    """The scheme `quantize` applied to this model ("int8", "w8a8", "fp16"), else None (what the cost model and the
     reports key on)."""
     for m in model.modules():
+        if isinstance(m, W8A8Linear):
+            return "w8a8"
         if isinstance(m, Int8Linear):
             return "int8"
         if isinstance(m, Fp16Linear):
