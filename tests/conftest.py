@@ -279,6 +279,17 @@ def byte_tokenizer(corpus: list[str], vocab: int, chat_template: str | None = No
     )
 
 
+def first_rows_symbolic(step, inputs: list[torch.Tensor], rows: int):
+    """`step` on the first `rows` rows of each input, the row count marked symbolic as the engine compiles a verify
+    (a compiled graph of any row count from the second call on)."""
+    from flashdraft.kv_cache import symbolic_sizes
+
+    cut = [t[:rows].clone() for t in inputs]
+    for t in cut:
+        symbolic_sizes(t, 0)
+    return step(cut)
+
+
 def assert_dflash_is_plain_decoding(target, draft, block_size: int = 6, dense=None) -> None:
     """Six prompts, greedy and seeded sampling in turn: `draft` (a random drafter: most drafts rejected, rollbacks)
     and, greedy, an oracle (long accepts) emit exactly what plain decoding of `target` emits; with `dense`, plain

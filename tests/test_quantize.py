@@ -18,6 +18,7 @@ from conftest import (
     OracleProposer,
     assert_batched_dflash_is_plain_decoding,
     assert_dflash_is_plain_decoding,
+    first_rows_symbolic,
     hybrid_model,
     tiny_model,
 )
@@ -250,7 +251,6 @@ def test_compiled_fp32_int8_layers_give_a_row_its_bits_at_any_row_count():
     sums each row alone, in one order). The verify as a whole is not batch-invariant in fp32: its attention products
     go to ATen's GEMMs (benchmarks/README.md)."""
     from flashdraft.compiled import compile_options, compile_whole
-    from flashdraft.kv_cache import symbolic_sizes
 
     torch.manual_seed(0)
     # each layer its own input, so none is fused with another (`_register_int8_concat_linear`); q / k / v as one
@@ -265,17 +265,10 @@ def test_compiled_fp32_int8_layers_give_a_row_its_bits_at_any_row_count():
         weights=layers,
     )
     x = [torch.randn(17, i) for i, _ in shapes]
-
-    def run(rows: int) -> list[torch.Tensor]:
-        inputs = [t[:rows].clone() for t in x]
-        for t in inputs:
-            symbolic_sizes(t, 0)
-        return step(inputs)
-
     with torch.no_grad():
-        alone = run(1)
+        alone = first_rows_symbolic(step, x, 1)
         for rows in (2, 3, 4, 5, 8, 16, 17):
-            together = run(rows)
+            together = first_rows_symbolic(step, x, rows)
             for (i, o), one, many in zip(shapes, alone, together, strict=True):
                 assert torch.equal(many[:1], one), f"{i} -> {o} at {rows} rows"
 

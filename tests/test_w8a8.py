@@ -13,6 +13,7 @@ from conftest import (
     VOCAB,
     assert_batched_dflash_is_plain_decoding,
     assert_dflash_is_plain_decoding,
+    first_rows_symbolic,
     hybrid_model,
     tiny_model,
 )
@@ -85,7 +86,6 @@ def test_compiled_w8a8_layers_are_the_template_s_and_give_a_row_its_bits_at_any_
     from torch._dynamo.utils import counters
 
     from flashdraft.compiled import compile_options, compile_whole
-    from flashdraft.kv_cache import symbolic_sizes
 
     torch.manual_seed(0)
     shapes = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 4000)]
@@ -101,18 +101,11 @@ def test_compiled_w8a8_layers_are_the_template_s_and_give_a_row_its_bits_at_any_
             weights=layers,
         )
         x = [torch.randn(17, i, dtype=torch.bfloat16) for i, _ in shapes]
-
-        def run(rows: int) -> list[torch.Tensor]:
-            inputs = [t[:rows].clone() for t in x]
-            for t in inputs:
-                symbolic_sizes(t, 0)
-            return step(inputs)
-
         with torch.no_grad():
-            alone = run(1)
+            alone = first_rows_symbolic(step, x, 1)
             assert counters["inductor"]["cpp_templated_kernel_counter"] == len(shapes)
             for rows in (2, 3, 5, 8, 16, 17):
-                together = run(rows)
+                together = first_rows_symbolic(step, x, rows)
                 for (i, o), one, many, layer, t in zip(shapes, alone, together, layers, x, strict=True):
                     assert torch.equal(many[:1], one), f"{i} -> {o} at {rows} rows"
                     want = reference(layer, t[:rows])
