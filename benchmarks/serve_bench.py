@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -54,10 +55,11 @@ class Server:
             cmd += ["--draft", draft]
         if tree:
             cmd += ["--tree", tree]
+        cmd += shlex.split(args.server_args)
         self.command = " ".join(cmd[2:])
         self.log = log.open("w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 300
+        deadline = time.time() + args.start_timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited early; see {log}")
@@ -66,7 +68,7 @@ class Server:
                     return
             except httpx.TransportError:
                 time.sleep(0.5)
-        raise RuntimeError("the server did not come up in 300 s")
+        raise RuntimeError(f"the server did not come up in {args.start_timeout} s")
 
     def rss_mib(self) -> float:
         metrics = parse_prometheus(httpx.get(f"{self.base}/metrics", timeout=30).text)
@@ -211,6 +213,10 @@ def main() -> None:
     ap.add_argument("--soak-requests", type=int, default=500)
     ap.add_argument("--soak-concurrency", type=int, default=32)
     ap.add_argument("--soak-leave-share", type=float, default=0.1)
+    ap.add_argument(
+        "--server-args", default="", help="more `flashdraft serve` options for every server, e.g. '--quantize int8 --compile'"
+    )
+    ap.add_argument("--start-timeout", type=int, default=300, help="seconds a server may take to start (compiling: more)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/serve"))
     ap.add_argument("--readme", type=Path, default=None)
     ap.add_argument(
