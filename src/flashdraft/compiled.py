@@ -63,7 +63,7 @@ def compile_verify(target: Any) -> str | None:
             "--compile: fp16 weights run through fbgemm's own kernel, which is not compiled; decoding eagerly"
         )
     options = compile_options(target.device)
-    if target.quantize == "w8a8" and target.device.type == "cpu":
+    if target.quantize == "w8a8":  # a CPU's scheme (quantize.check_quantize)
         note = _w8a8_refusal(options)
         if note is not None:
             return f"--compile: {note}; decoding eagerly"
@@ -87,12 +87,15 @@ def _w8a8_refusal(options: dict[str, Any]) -> str | None:
     weight as a frozen constant that only inductor's C++ GEMM template reads (ATen's op takes oneDNN's packed
     layout), so the CPU needs the template's int8 micro-kernels and the options must freeze and take the template
     (as the CPU defaults do; a `$FLASHDRAFT_COMPILE` may not)."""
+    from torch._inductor import config as inductor_config
+
     from .quantize import w8a8_compiles
 
     if not w8a8_compiles():
         return "int8 activations compile through inductor's avx512_vnni or AMX kernels, which this CPU lacks"
     inductor = options.get("options") or {}
-    backends = str(inductor.get("max_autotune_gemm_backends", "ATEN,TRITON,CPP")).upper().split(",")
+    backends = inductor.get("max_autotune_gemm_backends", inductor_config.max_autotune_gemm_backends)
+    backends = str(backends).upper().split(",")
     templates = inductor.get("max_autotune") or inductor.get("max_autotune_gemm")
     if not (inductor.get("freezing") and templates and "CPP" in backends):
         return (

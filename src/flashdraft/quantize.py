@@ -61,16 +61,22 @@ class QuantizeError(ValueError):
     """A quantization the engine cannot run: refused in one line, before loading (errors.py)."""
 
 
+def per_channel_int8(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` ([out, in]) as int8 with one scale per output channel (absmax / 127, rounded to `scale_dtype` once,
+    the scale the kernel applies): symmetric, -127..127 (never -128: the pair kernel's int8 -> bf16 tables read |w|,
+    cpu_gemm.py, and the activations' codes are symmetric too)."""
+    weight = weight.detach().float()
+    scales = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny).to(scale_dtype)
+    quantized = torch.round(weight / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return quantized, scales
+
+
 class Int8Linear(nn.Module):
     """y = (x @ weight_int8.T) * scales + bias, for `x` in `compute_dtype` (bf16, or fp32 for the compiled path)."""
 
     def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
-        weight = linear.weight.detach().float()
-        scales = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-        scales = scales.to(compute_dtype)  # the scale the kernel applies, rounded once here
-        # symmetric, -127..127 (never -128: the pair kernel's int8 -> bf16 tables read |w|, cpu_gemm.py)
-        quantized = torch.round(weight / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        quantized, scales = per_channel_int8(linear.weight, compute_dtype)
         self.register_buffer("weight_int8", quantized.contiguous())
         self.register_buffer("scales", scales.contiguous())
         bias = linear.bias
@@ -132,9 +138,7 @@ class W8A8Linear(Int8Linear):
 
     def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype = torch.bfloat16) -> None:
         nn.Module.__init__(self)
-        weight = linear.weight.detach().float()
-        scales = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-        quantized = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        quantized, scales = per_channel_int8(linear.weight, torch.float32)
         self.register_buffer("weight_kn", quantized.t().contiguous())
         self.register_buffer("scales", scales.contiguous())  # fp32: the epilogue is fp32
         self.register_buffer("zero_points", torch.zeros(scales.numel(), dtype=torch.int32), persistent=False)
