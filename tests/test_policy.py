@@ -8,7 +8,7 @@ import torch
 from conftest import VOCAB
 from flashdraft import DFlashDraftModel, Target, generate, generate_ar
 from flashdraft.batched_dflash import BatchedDFlashProposer
-from flashdraft.calibration import DEPTH_GROUPS, Calibration
+from flashdraft.calibration import BELOW_PRIOR, DEPTH_GROUPS, Calibration
 from flashdraft.costs import CostModel
 from flashdraft.engine import BatchDecoder
 from flashdraft.kv_cache import bucket
@@ -71,7 +71,12 @@ def test_the_drafter_s_acceptance_is_learned_per_depth_and_per_candidate_rank():
     tree_keys = cal.draft_keys(torch.full((6, 3), 0.93), candidates=True)
     assert tree_keys[:, 0].tolist() == keys.tolist()
     assert not set(tree_keys[:, 1:].flatten().tolist()) & set(keys.tolist())
-    assert int(tree_keys.max()) < cal.tree_lookup_key
+    # and below a lower candidate of an earlier slot, keys of their own, starting at BELOW_PRIOR of the confidence
+    below_keys = cal.draft_keys(torch.full((6, 3), 0.93), candidates=True, below=True)
+    assert not set(below_keys.flatten().tolist()) & set(tree_keys.flatten().tolist())
+    assert len(set(below_keys[:, 0].tolist())) == len(DEPTH_GROUPS)
+    assert cal.draft.p(below_keys).flatten().tolist() == pytest.approx([BELOW_PRIOR * 0.925] * 18)
+    assert int(torch.cat([tree_keys, below_keys]).max()) < cal.tree_lookup_key
     # first drafts rejected again and again at that confidence: only the first depth's estimate falls
     before = cal.draft.p(keys).tolist()
     for _ in range(20):

@@ -144,6 +144,36 @@ def test_grow_tree_is_best_first_and_closed_under_ancestors():
     assert grow_tree(candidates, p, keys, budget=2).first(1).tokens.tolist() == [10]
 
 
+def test_nodes_below_a_lower_candidate_take_their_own_estimates_and_keys():
+    """The drafter predicted slot d + 1 after its own draft at slot d: below a lower candidate the tree reads the
+    `below` estimates and keys, on the drafter's line `p` and `keys`, and every score is the product along its path."""
+    candidates = torch.tensor([[10, 11, 12], [20, 21, 22], [30, 31, 32]])
+    p = torch.tensor([[0.9, 0.5, 0.1], [0.8, 0.3, 0.2], [0.6, 0.4, 0.1]])
+    keys = torch.arange(9).view(3, 3)
+    below = (p * 0.25, 100 + keys)
+    tree = grow_tree(candidates, p, keys, budget=6, below=below)
+    # scores: 10 .9, 10-20 .72, 11 .5, 10-20-30 .432, 10-20-31 .288, 10-21 .27; 11-20 fell from .4 to .1
+    assert tree.tokens.tolist() == [10, 20, 11, 30, 31, 21]
+    assert tree.parents == [-1, 0, -1, 1, 1, 0]
+    assert torch.allclose(tree.scores, torch.tensor([0.9, 0.72, 0.5, 0.432, 0.288, 0.27]))
+    # every node of a wide tree: off the drafter's line iff a lower candidate is among its ancestors (token t sits
+    # at slot t // 10 - 1 as candidate t % 10)
+    wide = grow_tree(candidates, p, keys, budget=27, below=below)
+    tokens = wide.tokens.tolist()
+    for j, parent in enumerate(wide.parents):
+        slot, rank = divmod(tokens[j] - 10, 10)
+        ancestors, a = [], parent
+        while a >= 0:
+            ancestors.append(tokens[a] % 10)
+            a = wide.parents[a]
+        off = any(ancestors)
+        assert int(wide.keys[j]) == (100 if off else 0) + 3 * slot + rank
+        score = 1.0 if parent < 0 else float(wide.scores[parent])
+        assert float(wide.scores[j]) == pytest.approx(score * float((below[0] if off else p)[slot, rank]))
+    # without `below`, the tree of before
+    assert grow_tree(candidates, p, keys, budget=6).tokens.tolist() == [10, 20, 11, 30, 20, 31]
+
+
 def test_a_lookup_branch_joins_the_tree_sharing_the_nodes_it_agrees_with():
     """A chain grafted on below the anchor (prompt lookup's match): it shares the nodes it follows (a shared node keeps
     the higher score), the rest hangs below as new nodes with their own keys; best-first, closed under ancestors, cut

@@ -8,8 +8,10 @@ A node is "main" when it and its ancestors are each their slot's top candidate (
 it is a lower candidate under a main parent, "below" when its parent is off the main chain (the drafter predicted
 its slot with the main chain's tokens before it, not this branch's), "lookup" when prompt lookup's branch put it.
 With AB=1 a second copy of the drafter learns one table over all depths (calibration.py before the depth groups),
-its chains and trees interleaved prompt by prompt with the depth-keyed ones; each figure is labelled by its tables.
-Run: [AB=1] python benchmarks/scripts/tree_calibration.py [bfloat16|float32] [int8|none] [prompts per set]"""
+with AB=below one whose tree nodes below a lower candidate share the keys of the drafter's line (calibration.py
+before `BELOW`), its chains and trees interleaved prompt by prompt with the depth-keyed ones; each figure is
+labelled by its tables.
+Run: [AB=1|below] python benchmarks/scripts/tree_calibration.py [bfloat16|float32] [int8|none] [prompts per set]"""
 import collections, json, os, sys, time
 import torch
 import flashdraft.batched_dflash as B
@@ -33,6 +35,8 @@ DEPTHS = ["d0", "d1", "d2-3", "d2-3", "d4+"]
 
 
 def tables(proposer):
+    if getattr(proposer.calibration, "no_below", False):
+        return "nobelow"
     return "depth" if len(proposer.calibration.depth_groups) > 1 else "one"
 
 
@@ -48,7 +52,7 @@ def node_classes(proposer, tree):
         elif not on_main:
             kind = "below"
         else:
-            kind = "main" if key % (2 * bins) < bins else "sibling"
+            kind = "main" if key % (3 * bins) < bins else "sibling"
         main.append(kind == "main")
         out.append(f"{tables(proposer)} {kind} {DEPTHS[min(depth[-1], len(DEPTHS) - 1)]}")
     return out
@@ -115,7 +119,12 @@ t = load_target("smollm2-135m-instruct", dtype=dtype, device="cpu", quantize=qua
 compile_verify(t)
 d = DFlashDraftModel.from_pretrained("drafters/smollm2-135m-instruct").eval()
 drafters = {"depth": d}
-if os.environ.get("AB"):
+if os.environ.get("AB") == "below":
+    drafters["nobelow"] = DFlashDraftModel.from_pretrained("drafters/smollm2-135m-instruct").eval()
+    cal = calibration_for(drafters["nobelow"])
+    cal.no_below, own_keys = True, cal.draft_keys
+    cal.draft_keys = lambda confidence, candidates=False, below=False: own_keys(confidence, candidates)
+elif os.environ.get("AB"):
     drafters["one"] = DFlashDraftModel.from_pretrained("drafters/smollm2-135m-instruct").eval()
     calibration_for(drafters["one"], depth_groups=(0,))
 costs = load_or_measure_costs(t, d)

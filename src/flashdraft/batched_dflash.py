@@ -374,8 +374,10 @@ class BatchedDFlashProposer(BatchProposer):
         if self.tree_window is not None and row.anchor_position + longest + 2 >= self.tree_window:
             return None
         tokens, p = self._candidates
-        keys = self.calibration.draft_keys(p[index, :depth], candidates=True)
-        return grow_tree(tokens[index, :depth], self.calibration.draft.p(keys), keys, budget)
+        confidence, table = p[index, :depth], self.calibration.draft
+        keys = self.calibration.draft_keys(confidence, candidates=True)
+        below = self.calibration.draft_keys(confidence, candidates=True, below=True)
+        return grow_tree(tokens[index, :depth], table.p(keys), keys, budget, below=(table.p(below), below))
 
     # -------------------------------------------------------------- the policy
     def _free_proposal(

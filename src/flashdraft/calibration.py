@@ -20,6 +20,13 @@ JUMP_FORWARD_MAX_TOKENS = 15
 # 66 % on average where 57 % were accepted, the third and fourth at 59 % (64 % accepted), the fifth on at 86 % (96 %):
 # a drafter on track stays on track, so one table over-rated drafting at all and under-rated verifying further.
 DEPTH_GROUPS = (0, 1, 2, 4)
+# A draft tree's node below a lower candidate of an earlier slot is keyed apart from the nodes of the drafter's own
+# line: the drafter predicted its slot after its own draft there, not after that candidate, so the same confidence
+# is worth less (nodes below a lower candidate were estimated at 0.58 where 0.29-0.50 were accepted on a 2-core
+# EPYC, benchmarks/README.md 2026-12-01). Their prior: this share of the confidence.
+BELOW_PRIOR = 0.5
+# The drafter table's keys in each depth group: these three kinds of draft, `confidence_bins` keys each.
+OWN, LOWER, BELOW = range(3)
 
 
 class Calibration:
@@ -34,24 +41,33 @@ class Calibration:
         self.lookup = AcceptanceTable(lookup_prior)
         # The drafter's, keyed by (depth group, confidence bin) (`draft_keys`): in each depth group, bins keys for
         # the drafter's own drafts, then bins for the other candidates of a draft tree's slots (a token the drafter
-        # ranked lower is accepted at another rate than its top one with the same probability); all start
-        # calibrated (p = confidence). Then a draft tree's nodes from prompt lookup (`tree.add_branch`), keyed as the
-        # lookup table is, from `tree_lookup_key` on.
-        drafts = confidence_prior(self.confidence_bins, groups=2 * len(depth_groups))
+        # ranked lower is accepted at another rate than its top one with the same probability), then bins for a
+        # tree's nodes below a lower candidate (`BELOW`); own and lower start calibrated (p = confidence). Then a
+        # draft tree's nodes from prompt lookup (`tree.add_branch`), keyed as the lookup table is, from
+        # `tree_lookup_key` on.
+        calibrated = confidence_prior(self.confidence_bins)
+        below = [BELOW_PRIOR * p for p in calibrated]
+        drafts = (calibrated + calibrated + below) * len(depth_groups)
         self.tree_lookup_key = len(drafts)
         self.draft = AcceptanceTable(drafts + lookup_prior)
         # Jump-forward, keyed by slot: the forced text is certain, its spelling is not (RowGrammar.jump_forward).
         self.grammar = AcceptanceTable([0.8 * 0.9**slot for slot in range(JUMP_FORWARD_MAX_TOKENS)])
 
-    def draft_keys(self, confidence: torch.Tensor, candidates: bool = False) -> torch.Tensor:
+    def draft_keys(
+        self, confidence: torch.Tensor, candidates: bool = False, below: bool = False
+    ) -> torch.Tensor:
         """The drafter table's keys of drafts with these confidences: [..., D] the drafts of slots 0..D-1 (a slot's
         depth in a chain), or with `candidates` [D, W] each slot's W draft-tree candidates, the drafter's own draft
-        first (a tree's node at slot d is d deep)."""
+        first (a tree's node at slot d is d deep); with `below` too, the keys those candidates take below a lower
+        candidate of an earlier slot (`BELOW`)."""
         keys = confidence_keys(confidence, self.confidence_bins)
         offset = self._depth_offsets(confidence.shape[-2] if candidates else confidence.shape[-1])
         if not candidates:
             return keys + offset
-        keys[:, 1:] += self.confidence_bins
+        if below:
+            keys += BELOW * self.confidence_bins
+        else:
+            keys[:, 1:] += LOWER * self.confidence_bins
         return keys + offset[:, None]
 
     def _depth_offsets(self, slots: int) -> torch.Tensor:
@@ -59,7 +75,7 @@ class Calibration:
         offsets = self._offsets.get(slots)
         if offsets is None:
             group = torch.bucketize(torch.arange(slots), torch.tensor(self.depth_groups), right=True) - 1
-            offsets = self._offsets[slots] = 2 * self.confidence_bins * group
+            offsets = self._offsets[slots] = 3 * self.confidence_bins * group
         return offsets
 
 
@@ -74,4 +90,4 @@ def calibration_for(draft: Any, depth_groups: tuple[int, ...] | None = None) -> 
     return calibration
 
 
-__all__ = ["DEPTH_GROUPS", "JUMP_FORWARD_MAX_TOKENS", "Calibration", "calibration_for"]
+__all__ = ["BELOW_PRIOR", "DEPTH_GROUPS", "JUMP_FORWARD_MAX_TOKENS", "Calibration", "calibration_for"]

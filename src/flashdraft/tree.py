@@ -82,40 +82,57 @@ def chain_parents(k: int) -> list[int]:
     return list(range(-1, k - 1))
 
 
-def grow_tree(candidates: torch.Tensor, p: torch.Tensor, keys: torch.Tensor, budget: int) -> DraftTree:
+def grow_tree(
+    candidates: torch.Tensor,
+    p: torch.Tensor,
+    keys: torch.Tensor,
+    budget: int,
+    below: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> DraftTree:
     """The best-first tree of at most `budget` nodes. `candidates` [D, W]: slot d's tokens (distinct within a slot,
     most likely first), `p` [D, W] their acceptance estimates, `keys` [D, W] their calibration keys; nodes go at
-    most D deep."""
+    most D deep. `below` (p, keys), each [D, W]: the estimates and keys of the candidates placed below a lower
+    candidate of an earlier slot, off the drafter's own line (the drafter predicted their slot after its own draft
+    there); without it they take `p` and `keys` too."""
     depth, width = candidates.shape
-    p = p.tolist()
-    nodes: list[tuple[int, int, int, float]] = []  # (parent, slot, candidate, score)
-    # Heap of (-score, tie-break, parent node, slot, candidate): a node's first child and its next sibling join the
-    # heap when it is taken, so the heap holds at most two entries per node taken.
-    heap = [(-p[0][0], 0, -1, 0, 0)] if depth and width and budget > 0 else []
+    estimates = [p.tolist(), (below[0] if below is not None else p).tolist()]
+    node_keys = [keys, below[1] if below is not None else keys]
+    nodes: list[
+        tuple[int, int, int, float, int]
+    ] = []  # (parent, slot, candidate, score, off the drafter's line)
+    # Heap of (-score, tie-break, parent node, slot, candidate, off): a node's first child and its next sibling join
+    # the heap when it is taken, so the heap holds at most two entries per node taken.
+    heap = [(-estimates[0][0][0], 0, -1, 0, 0, 0)] if depth and width and budget > 0 else []
     counter = 1
     while heap and len(nodes) < budget:
-        neg, _, parent, slot, cand = heapq.heappop(heap)
+        neg, _, parent, slot, cand, off = heapq.heappop(heap)
         score = -neg
         if score <= 0.0:
             break
-        nodes.append((parent, slot, cand, score))
+        nodes.append((parent, slot, cand, score, off))
         me = len(nodes) - 1
         base = 1.0 if parent < 0 else nodes[parent][3]
         if cand + 1 < width:  # its next sibling
-            heapq.heappush(heap, (-base * p[slot][cand + 1], counter, parent, slot, cand + 1))
+            heapq.heappush(
+                heap, (-base * estimates[off][slot][cand + 1], counter, parent, slot, cand + 1, off)
+            )
             counter += 1
-        if slot + 1 < depth:  # its first child
-            heapq.heappush(heap, (-score * p[slot + 1][0], counter, me, slot + 1, 0))
+        if slot + 1 < depth:  # its first child, off the drafter's line below a lower candidate
+            child_off = int(off or cand > 0)
+            heapq.heappush(
+                heap, (-score * estimates[child_off][slot + 1][0], counter, me, slot + 1, 0, child_off)
+            )
             counter += 1
     if not nodes:
         empty = torch.empty(0, dtype=torch.long)
         return DraftTree(empty, [], empty, torch.empty(0))
     slots = torch.tensor([n[1] for n in nodes])
     cands = torch.tensor([n[2] for n in nodes])
+    offs = torch.tensor([n[4] for n in nodes], dtype=torch.bool)
     return DraftTree(
         tokens=candidates[slots, cands],
         parents=[n[0] for n in nodes],
-        keys=keys[slots, cands],
+        keys=torch.where(offs, node_keys[1][slots, cands], node_keys[0][slots, cands]),
         scores=torch.tensor([n[3] for n in nodes]),
     )
 
