@@ -767,3 +767,46 @@ def test_the_static_cache_serves_only_what_it_is_verified_on(models, monkeypatch
         config, "_attn_implementation", property(lambda self: "flash_attention_2"), raising=False
     )
     assert "flash_attention_2" in compile_verify(target) and target.compile_options is None
+
+
+def test_a_compiled_server_makes_its_several_row_graphs_before_the_first_request(models):
+    """dynamo keeps a size of 1 apart, so a compiled server that met one request at a time compiled again at its
+    first batch of several, in the middle of their answers (86 s for the plain int8 server's first batch of 8 on a
+    2-core Xeon). The worker decodes two rows together before it serves: a batch after a lone request makes no
+    graph, and answers as plain decoding does."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastapi.testclient import TestClient
+    from torch._dynamo.utils import counters
+
+    from flashdraft.serve import Engine, build_app
+    from test_serve import MODEL, tiny_tokenizer
+
+    torch._dynamo.reset()
+    model = models["llama"]
+    reference = Target(model, tiny_tokenizer(), name=MODEL)
+    target = Target(model, tiny_tokenizer(), name=MODEL)
+    target.static_cache, target.compile_options = True, EAGER_GRAPH
+    engine = Engine(target, None, max_queue=8, max_batch_size=4)
+    prompts = [[{"role": "user", "content": " ".join(f"w{3 + (i * 5 + j) % 80}" for j in range(3 + 2 * i))}]
+               for i in range(4)]  # fmt: skip
+    try:
+        with TestClient(build_app(engine, MODEL)) as client:
+
+            def ask(messages):
+                body = {"model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 0}
+                r = client.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["message"]["content"]
+
+            answers = [ask(prompts[0])]  # alone
+            graphs = counters["stats"]["unique_graphs"]
+            with ThreadPoolExecutor(3) as pool:  # then together
+                answers += list(pool.map(ask, prompts[1:]))
+            assert max(engine.steps_by_rows) > 1  # they were decoded in one batch
+            assert counters["stats"]["unique_graphs"] == graphs
+    finally:
+        engine.close()
+    for messages, answer in zip(prompts, answers, strict=True):
+        want = generate_ar(reference, reference.encode_prompt(messages), 12).new_tokens
+        assert answer == reference.tokenizer.decode(want, skip_special_tokens=True)

@@ -436,7 +436,7 @@ class VerifyForward:
         self.compiled = compile_options is not None
         # The grad modes (inference mode or not) the engine made its graphs for before a first step
         # (engine._compile_ahead): dynamo guards on whether a tensor was made in inference mode.
-        self.compiled_ahead: set[bool] = set()
+        self.compiled_ahead: set[tuple[bool, bool]] = set()  # (inference mode, several rows)
         self._captured: dict[int, torch.Tensor] = {}
         for layer_id in dict.fromkeys(self.taps):
             target.layers[layer_id].register_forward_hook(self._hook(layer_id))

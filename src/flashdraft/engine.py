@@ -246,12 +246,14 @@ class BatchDecoder:
 
     def _compile_ahead(self) -> None:
         """Compiled: the verify's two graphs with these taps (one token; 2-64 tokens, symbolic) made now, so a step
-        that first verifies one token (the policy's plain step) does not compile mid-answer. Their columns
-        are written past the valid length and dropped (a length moved back), as a rejected block's are."""
-        mode = torch.is_inference_mode_enabled()  # dynamo guards on it: each mode's graphs are others
-        if mode in self.verify.compiled_ahead:
+        that first verifies one token (the policy's plain step) does not compile mid-answer; once for one row and
+        once for several (dynamo keeps a size of 1 apart). Their columns are written past the valid length and
+        dropped (a length moved back), as a rejected block's are."""
+        # dynamo guards on the grad mode: each mode's graphs are others
+        key = (torch.is_inference_mode_enabled(), len(self.rows) > 1)
+        if key in self.verify.compiled_ahead:
             return
-        self.verify.compiled_ahead.add(mode)
+        self.verify.compiled_ahead.add(key)
         columns = self.valid.shape[1]
         device = self.target.device
         last = torch.tensor([r.tokens[-1] for r in self.rows], device=device)[:, None]

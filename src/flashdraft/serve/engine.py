@@ -172,6 +172,7 @@ class Engine:
         self.steps_by_rows: Counter[int] = Counter()  # decode steps by the number of rows they advanced
         self.decode_s = 0.0  # time in decode steps so far
         self.grammar_s = 0.0  # of which the grammar's (structured output), summed as rows finish
+        self._warm = False  # `warm_up` has run
         self._thread: threading.Thread | None = None
         if start:
             self._thread = threading.Thread(target=self.run, name="flashdraft-engine", daemon=True)
@@ -218,6 +219,7 @@ class Engine:
                 "this engine's worker already runs in a thread of its own (Engine(start=True))"
             )
         torch.set_grad_enabled(False)
+        self.warm_up()
         stopping = False
         while True:
             # Admit waiting requests between steps; with nothing running, sleep until one comes.
@@ -255,6 +257,25 @@ class Engine:
             for row in finished:
                 self.grammar_s += row.result.grammar_s
                 self._finish(row)
+
+    def warm_up(self) -> None:
+        """Compiled (the static cache): a short answer decoded alone and then beside a second one before the first
+        request, so the graphs of one row and of several exist when clients come (dynamo keeps a size of 1 apart;
+        the verify's, the drafter's context and block passes). Without it the first request compiled for 60 s and
+        the first batch of several again, in the middle of their answers: on a 2-core Xeon the int8 DFlash server's
+        first batch of 8 GSM8K requests took 95-105 s, the plain server's 86 s (benchmarks/README.md, 2026-12-02).
+        Runs once, on the worker's thread (its grad mode is the steps')."""
+        decoder = self.decoder
+        if self._warm or not (decoder.static and decoder.verify.compiled):
+            return
+        self._warm = True
+        prompt = list(range(3, 11))
+        decoder.add(prompt, 6, SamplingParams(), stop_token_ids=[])
+        decoder.step()
+        if self.max_batch_size > 1:
+            decoder.add(prompt[::-1], 3, SamplingParams(), stop_token_ids=[])
+        while len(decoder):
+            decoder.step()
 
     def _deliver(self) -> None:
         """Hand the outbox to the event loops: one wake-up of each loop per decode step, not one per row and step."""
