@@ -647,27 +647,19 @@ def test_a_server_decodes_through_the_compiled_verify(models):
     from fastapi.testclient import TestClient
 
     from flashdraft.serve import Engine, build_app
-    from test_serve import MODEL, tiny_tokenizer
+    from test_serve import MODEL
 
     model = models["llama"]
     draft = DFlashDraftModel.for_target(
         model.config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1
     ).eval()
-    reference = Target(model, tiny_tokenizer(), name=MODEL)
-    target = Target(model, tiny_tokenizer(), name=MODEL)
-    target.static_cache, target.compile_options = True, EAGER_GRAPH
+    reference, target = _served_targets(model)
     engine = Engine(target, draft, max_queue=8, block_size=4)
     prompts = [[{"role": "user", "content": " ".join(f"w{3 + (i * 7 + j) % 80}" for j in range(4 + 3 * i))}]
                for i in range(3)]  # fmt: skip
     try:
         with TestClient(build_app(engine, MODEL)) as client:
-
-            def ask(messages):
-                body = {"model": MODEL, "messages": messages, "max_tokens": 20, "temperature": 0}
-                r = client.post("/v1/chat/completions", json=body)
-                assert r.status_code == 200, r.text
-                return r.json()["choices"][0]["message"]["content"]
-
+            ask = _asker(client, 20)
             with ThreadPoolExecutor(3) as pool:
                 answers = list(pool.map(ask, prompts))
     finally:
@@ -780,25 +772,17 @@ def test_a_compiled_server_makes_its_several_row_graphs_before_the_first_request
     from torch._dynamo.utils import counters
 
     from flashdraft.serve import Engine, build_app
-    from test_serve import MODEL, tiny_tokenizer
+    from test_serve import MODEL
 
     torch._dynamo.reset()
     model = models["llama"]
-    reference = Target(model, tiny_tokenizer(), name=MODEL)
-    target = Target(model, tiny_tokenizer(), name=MODEL)
-    target.static_cache, target.compile_options = True, EAGER_GRAPH
+    reference, target = _served_targets(model)
     engine = Engine(target, None, max_queue=8, max_batch_size=4)
     prompts = [[{"role": "user", "content": " ".join(f"w{3 + (i * 5 + j) % 80}" for j in range(3 + 2 * i))}]
                for i in range(4)]  # fmt: skip
     try:
         with TestClient(build_app(engine, MODEL)) as client:
-
-            def ask(messages):
-                body = {"model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 0}
-                r = client.post("/v1/chat/completions", json=body)
-                assert r.status_code == 200, r.text
-                return r.json()["choices"][0]["message"]["content"]
-
+            ask = _asker(client, 12)
             answers = [ask(prompts[0])]  # alone
             graphs = counters["stats"]["unique_graphs"]
             with ThreadPoolExecutor(3) as pool:  # then together
@@ -810,3 +794,25 @@ def test_a_compiled_server_makes_its_several_row_graphs_before_the_first_request
     for messages, answer in zip(prompts, answers, strict=True):
         want = generate_ar(reference, reference.encode_prompt(messages), 12).new_tokens
         assert answer == reference.tokenizer.decode(want, skip_special_tokens=True)
+
+
+def _served_targets(model):
+    """(a plain Target for reference answers, one served through the static cache with its verify traced whole)."""
+    from test_serve import MODEL, tiny_tokenizer
+
+    target = Target(model, tiny_tokenizer(), name=MODEL)
+    target.static_cache, target.compile_options = True, EAGER_GRAPH
+    return Target(model, tiny_tokenizer(), name=MODEL), target
+
+
+def _asker(client, max_tokens):
+    """A function sending one greedy chat request through `client` and returning the answer's text."""
+    from test_serve import MODEL
+
+    def ask(messages):
+        body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"]
+
+    return ask
