@@ -97,9 +97,8 @@ def grow_tree(
     depth, width = candidates.shape
     estimates = [p.tolist(), (below[0] if below is not None else p).tolist()]
     node_keys = [keys, below[1] if below is not None else keys]
-    nodes: list[
-        tuple[int, int, int, float, int]
-    ] = []  # (parent, slot, candidate, score, off the drafter's line)
+    # (parent, slot, candidate, score, off the drafter's line)
+    nodes: list[tuple[int, int, int, float, int]] = []
     # Heap of (-score, tie-break, parent node, slot, candidate, off): a node's first child and its next sibling join
     # the heap when it is taken, so the heap holds at most two entries per node taken.
     heap = [(-estimates[0][0][0], 0, -1, 0, 0, 0)] if depth and width and budget > 0 else []

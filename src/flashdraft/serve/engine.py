@@ -270,12 +270,17 @@ class Engine:
             return
         self._warm = True
         prompt = list(range(3, 11))
-        decoder.add(prompt, 6, SamplingParams(), stop_token_ids=[])
-        decoder.step()
-        if self.max_batch_size > 1:
-            decoder.add(prompt[::-1], 3, SamplingParams(), stop_token_ids=[])
-        while len(decoder):
+        try:
+            decoder.add(prompt, 6, SamplingParams(), stop_token_ids=[])
             decoder.step()
+            if self.max_batch_size > 1:
+                decoder.add(prompt[::-1], 3, SamplingParams(), stop_token_ids=[])
+            while len(decoder):
+                decoder.step()
+        except Exception:  # noqa: BLE001 - the requests' own steps will say what fails, one by one
+            log.exception("warm-up failed")
+            for row in list(decoder.rows):
+                decoder.cancel(row, "error")
 
     def _deliver(self) -> None:
         """Hand the outbox to the event loops: one wake-up of each loop per decode step, not one per row and step."""
