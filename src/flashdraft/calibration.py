@@ -25,8 +25,9 @@ DEPTH_GROUPS = (0, 1, 2, 4)
 # is worth less (nodes below a lower candidate were estimated at 0.58 where 0.29-0.50 were accepted on a 2-core
 # EPYC, benchmarks/README.md 2026-12-01). Their prior: this share of the confidence.
 BELOW_PRIOR = 0.5
-# The drafter table's keys in each depth group: these three kinds of draft, `confidence_bins` keys each.
-OWN, LOWER, BELOW = range(3)
+# The drafter table's keys in each depth group: `confidence_bins` keys each for the drafter's own drafts (range 0),
+# a tree slot's lower candidates (LOWER) and the nodes below a lower candidate (BELOW).
+LOWER, BELOW = 1, 2
 
 
 class Calibration:

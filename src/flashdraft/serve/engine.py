@@ -172,7 +172,6 @@ class Engine:
         self.steps_by_rows: Counter[int] = Counter()  # decode steps by the number of rows they advanced
         self.decode_s = 0.0  # time in decode steps so far
         self.grammar_s = 0.0  # of which the grammar's (structured output), summed as rows finish
-        self._warm = False  # `warm_up` has run
         self._thread: threading.Thread | None = None
         if start:
             self._thread = threading.Thread(target=self.run, name="flashdraft-engine", daemon=True)
@@ -264,11 +263,10 @@ class Engine:
         the verify's, the drafter's context and block passes). Without it the first request compiled for 60 s and
         the first batch of several again, in the middle of their answers: on a 2-core Xeon the int8 DFlash server's
         first batch of 8 GSM8K requests took 95-105 s, the plain server's 86 s (benchmarks/README.md, 2026-12-02).
-        Runs once, on the worker's thread (its grad mode is the steps')."""
+        `run` calls it first, on the worker's thread (its grad mode is the steps')."""
         decoder = self.decoder
-        if self._warm or not (decoder.static and decoder.verify.compiled):
+        if not (decoder.static and decoder.verify.compiled):
             return
-        self._warm = True
         prompt = list(range(3, 11))
         try:
             decoder.add(prompt, 6, SamplingParams(), stop_token_ids=[])
