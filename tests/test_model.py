@@ -451,6 +451,33 @@ def test_incremental_context_cache_equals_recompute(layer_types, causal):
     torch.testing.assert_close(incremental, full, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layer_types", [None, ["sliding_attention", "full_attention"]])
+def test_a_bf16_cpu_draft_pass_attends_through_the_kernel_with_sdpa_s_values(monkeypatch, layer_types):
+    """Inference in bf16 on a CPU: a block's attention over a static context cache (capacity-wide, its padding
+    hidden by the mask) runs cpu_attention's kernel, grouped K/V heads read in place, and gives the drafter the
+    values SDPA gives it (the path with gradients: the kernel has no backward), sliding layers too."""
+    from flashdraft import cpu_attention
+
+    assert cpu_attention.prepare(torch.bfloat16), "the bf16 kernel did not build"
+    calls = []
+    real = cpu_attention.short_attention
+    monkeypatch.setattr(cpu_attention, "short_attention", lambda *a: calls.append(a[1].shape) or real(*a))
+    extra = {"layer_types": layer_types, "sliding_window": 5} if layer_types else {}
+    cfg = small_config(**extra)
+    torch.manual_seed(1)
+    draft = DFlashDraftModel(cfg).eval().to(torch.bfloat16)
+    feats = _features(cfg, 23)
+    block = torch.randn(1, cfg.block_size, cfg.hidden_size)
+    positions = torch.arange(23, 23 + cfg.block_size)[None]
+    with torch.no_grad():
+        got = draft(block, positions, feats, torch.arange(23)[None], cache=DraftContextCache(capacity=64))
+    # every layer, its keys the cache's 64 columns and the block's 8, two KV heads for four query heads
+    assert calls == [torch.Size([1, 2, 64 + cfg.block_size, 16])] * cfg.num_hidden_layers
+    want = draft(block, positions, feats, torch.arange(23)[None])
+    assert len(calls) == cfg.num_hidden_layers
+    torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
+
+
 def test_sliding_layers_are_windowed_and_causal_in_block():
     cfg = small_config(num_hidden_layers=1, layer_types=["sliding_attention"], sliding_window=4)
     torch.manual_seed(2)

@@ -32,14 +32,13 @@ def _once_per_options(draft: Any, store: str, target: Any, make: Any) -> Any:
 def _make_block_pass(draft: Any, options: dict[str, Any]) -> Any:
     compiled = compile_whole(draft.block_pass, options, weights=draft)
 
-    def run(x, cos, sin, keys, values, masks, block_len) -> torch.Tensor:
-        # made this step (the context's K/V are marked where DraftContextCache makes them)
-        x, cos, sin = fresh(x), fresh(cos), fresh(sin)
-        for t in (x, cos, sin):
+    def run(x, positions, context_positions, keys, values, num_blocks, context_before_anchor) -> torch.Tensor:
+        # made this step (the context's K/V and positions are the cache's, marked where DraftContextCache makes them)
+        x, positions = fresh(x), fresh(positions)
+        for t in (x, positions):
             symbolic_sizes(t, 0)  # rows
-        for t in masks.values():
-            symbolic_sizes(t, 0, -1)  # rows, capacity + block
-        args = (x, cos, sin, keys, values, masks, block_len)
+        symbolic_sizes(context_positions, 0, 1)  # rows, capacity
+        args = (x, positions, context_positions, keys, values, num_blocks, context_before_anchor)
         return run_compiled(compiled, "the drafter's block pass", *args).clone()
 
     return run
