@@ -129,7 +129,8 @@ class DFlashAttention(nn.Module):
                 q, k, v, block_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
             )
             return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
-        if _kernel_attends(q, mask):  # a CPU draft pass in bf16: grouped K/V read in place, hidden columns skipped
+        # a CPU draft pass in bf16: the grouped K/V heads read in place, the hidden columns skipped
+        if _kernel_attends(q, mask):
             out = cpu_attention.short_attention(q, k, v, mask, self.head_dim**-0.5)  # [b, q, heads, d]
             return self.o_proj(out.reshape(b, q_len, -1))
         groups = self.num_heads // self.num_kv_heads
@@ -343,9 +344,8 @@ class DFlashDraftModel(nn.Module):
             # rows are padded; anything else, a single training block over a whole sequence included, is masked.
             cached = cache.positions if cache.positions is not None else block_positions.new_zeros(b, 0)
             run = block_pass or self.block_pass
-            return run(
-                block_embeds, block_positions, cached, cache.keys, cache.values, num_blocks, not cache.needs_mask
-            )
+            layers_kv = (cache.keys, cache.values)
+            return run(block_embeds, block_positions, cached, *layers_kv, num_blocks, not cache.needs_mask)
         x = block_embeds.to(dtype)
         cos_q, sin_q = self.rotary_emb(block_positions, dtype)
         context = None
