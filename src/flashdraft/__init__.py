@@ -1,9 +1,10 @@
 """flashdraft: DFlash block-diffusion speculative decoding for any Hugging Face decoder-only model."""
 
 from .config import DFlashConfig, DFlashConfigError, build_target_layer_ids
+from .drafter_files import DFlashCheckpointError
 from .generate import GenerationError, GenerationResult, generate, generate_ar, generate_batch
 from .grammar import Constraint, GrammarError
-from .model import DFlashCheckpointError, DFlashDraftModel, DraftContextCache
+from .model import DFlashDraftModel, DraftContextCache
 from .multimodal import ImageError, ImagePrompt, encode_image_prompt
 from .proposers import DFlashProposer, NoProposer, Proposer
 from .sampling import SamplingError, SamplingParams

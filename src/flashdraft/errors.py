@@ -16,10 +16,10 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from .data import DataError
     from .datasets import DatasetError
     from .draft_vocab import DraftVocabError
+    from .drafter_files import DFlashCheckpointError
     from .extras import MissingExtraError
     from .grammar import GrammarError
     from .memory_plan import PlanError
-    from .model import DFlashCheckpointError
     from .packs import PackError
     from .prompts import PromptFormatError
     from .quantize import QuantizeError

@@ -21,7 +21,6 @@ sees context positions strictly before its anchor and the keys of its own block 
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -32,18 +31,15 @@ from torch import nn
 
 from . import cpu_attention
 from .attention import kernel_ready
-from .config import CONFIG_NAME, SLIDING_ATTENTION, WEIGHTS_NAME, DFlashConfig, DFlashConfigError
+from .config import SLIDING_ATTENTION, WEIGHTS_NAME, DFlashConfig
 from .dflash2 import CandidateSelector, GroupedDynamicCausalConv
 from .draft_vocab import load_token_counts, save_token_counts
+from .drafter_files import MASK_EMBEDDING_NAME, DFlashCheckpointError, load_mask_embedding, resolve_draft_path
 from .files import atomic_write
 from .kv_cache import PAD_POSITION, DraftContextCache  # noqa: F401 - PAD_POSITION: this module's name for it
 from .rope import RotaryEmbedding, apply_rope, neox_channel_order
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class DFlashCheckpointError(ValueError):
-    """A drafter checkpoint whose files are missing, unreadable or do not match its config."""
 
 
 class RMSNorm(nn.Module):
@@ -199,22 +195,6 @@ class DFlashDecoderLayer(nn.Module):
         )
         h, dyn = self.mlp_conv.prepare(self.post_attention_layernorm(x), block_len)
         return x + self.mlp_conv.finish(self.mlp(h), dyn, block_len)
-
-
-MASK_EMBEDDING_NAME = "mask_embedding.pt"
-
-
-def _load_mask_embedding(file: Path, hidden_size: int) -> torch.Tensor | None:
-    """The mask token's input row a checkpoint ships beside its weights (vLLM's `mask_embedding.pt`), or None."""
-    if not file.exists():
-        return None
-    try:
-        row = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unreadable file is one line
-        raise DFlashCheckpointError(f"cannot read {file}: {e}") from None
-    if not isinstance(row, torch.Tensor) or row.numel() != hidden_size or not row.is_floating_point():
-        raise DFlashCheckpointError(f"{file} must hold one embedding row of {hidden_size} floats")
-    return row.reshape(hidden_size).float()
 
 
 def block_inputs(
@@ -568,9 +548,9 @@ class DFlashDraftModel(nn.Module):
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        path = Path(_resolve_draft_path(path))
+        path = Path(resolve_draft_path(path))
         config = DFlashConfig.from_pretrained(path)
-        mask_embedding = _load_mask_embedding(path / MASK_EMBEDDING_NAME, config.hidden_size)
+        mask_embedding = load_mask_embedding(path / MASK_EMBEDDING_NAME, config.hidden_size)
         weights = path / WEIGHTS_NAME
         if not weights.exists():
             shards = sorted(path.glob("model-*.safetensors"))
@@ -638,37 +618,3 @@ class DFlashDraftModel(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
-
-
-def load_drafter_config(path: str | Path) -> DFlashConfig:
-    """The drafter's config alone (no weights): for checks before anything heavy is loaded."""
-    return DFlashConfig.from_pretrained(_resolve_draft_path(path))
-
-
-def _resolve_draft_path(path: str | Path) -> str:
-    """A local directory, or a hub id resolved through huggingface_hub when available (online users)."""
-    p = Path(path)
-    if p.is_file():
-        raise DFlashCheckpointError(
-            f"drafter {str(path)!r} is a file; give the drafter's directory (with config.json and model.safetensors)"
-        )
-    if p.exists():
-        return str(p)
-    if str(path).startswith(("/", "./", "../", "~")) or str(path).count("/") != 1:
-        raise DFlashCheckpointError(f"drafter directory {str(path)!r} does not exist")
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors", "*.md"])
-    except Exception as e:  # offline, unknown repo, ...
-        raise DFlashCheckpointError(
-            f"drafter {path!r} is neither a local directory nor a reachable hub repo: {e}"
-        ) from None
-
-
-def read_model_card_meta(path: str | Path) -> dict[str, Any]:
-    """flashdraft provenance stored in config.json (empty for z-lab drafters)."""
-    try:
-        return json.loads((Path(path) / CONFIG_NAME).read_text()).get("flashdraft", {}) or {}
-    except (OSError, json.JSONDecodeError, DFlashConfigError):
-        return {}

@@ -281,7 +281,7 @@ def _make_app():
         import torch
 
         from ..draft_vocab import count_tokens, save_token_counts
-        from ..model import DFlashCheckpointError, load_drafter_config
+        from ..drafter_files import DFlashCheckpointError, load_drafter_config
         from ..training_data import TrainingData
 
         if not data and not text:

@@ -36,9 +36,10 @@ def eval_command(
     import torch
 
     from ..datasets import DatasetError, load_bench_dataset
+    from ..drafter_files import load_drafter_config
     from ..export import evaluate_tau
     from ..generate import GenerationError
-    from ..model import DFlashDraftModel, load_drafter_config
+    from ..model import DFlashDraftModel
     from ..packs import resolve_model
     from ..quantize import check_quantize
     from ..target import (

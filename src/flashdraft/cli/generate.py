@@ -144,8 +144,9 @@ def generate_command(
     import torch
 
     from ..compiled import compile_options
+    from ..drafter_files import load_drafter_config
     from ..generate import GenerationError, generate, generate_ar
-    from ..model import DFlashDraftModel, load_drafter_config
+    from ..model import DFlashDraftModel
     from ..model_parts import image_text_class
     from ..multimodal import ImageError, encode_image_prompt, load_image
     from ..packs import resolve_model

@@ -64,8 +64,9 @@ def serve_command(
     from ..extras import require_extra
 
     require_extra("serve", "fastapi", "uvicorn", "prometheus_client")
+    from ..drafter_files import load_drafter_config
     from ..generate import GenerationError
-    from ..model import DFlashDraftModel, load_drafter_config
+    from ..model import DFlashDraftModel
     from ..quantize import check_quantize
     from ..serve import Engine, build_app, run_server
     from ..target import check_drafter_fits_config, load_target, parse_device, parse_dtype

@@ -240,6 +240,7 @@ def _memory_plan(
     from transformers import AutoConfig
 
     from ..config import DFlashConfig
+    from ..drafter_files import load_drafter_config
     from ..memory_plan import (
         PlanError,
         device_capacity,
@@ -248,7 +249,6 @@ def _memory_plan(
         plan_training,
         target_shape,
     )
-    from ..model import load_drafter_config
     from ..packs import resolve_model
     from ..target import TargetError, default_device, parse_dtype
 
@@ -374,7 +374,7 @@ def train_command(
         mask_token_id = choose_mask_token_id(tgt.tokenizer, tgt.vocab_size)
     layer_ids = [int(x) for x in target_layer_ids.split(",")] if target_layer_ids else None
     if block_size is None and init_from is not None:  # the starting drafter's own block
-        from ..model import load_drafter_config
+        from ..drafter_files import load_drafter_config
 
         block_size = load_drafter_config(init_from).block_size
     block_size = default_block_size(arch, block_size)
@@ -446,7 +446,7 @@ def train_command(
         "wall_time_s": trainer.wall_s,
     }
     if init_from is not None:
-        from ..model import read_model_card_meta
+        from ..drafter_files import read_model_card_meta
 
         prev = read_model_card_meta(init_from)
         meta["init_from"] = {
