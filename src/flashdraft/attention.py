@@ -88,7 +88,7 @@ def short_query_attention(
         return out.transpose(1, 2).contiguous(), None
     groups = heads // kv_heads
     scale = d**-0.5 if scaling is None else scaling
-    if _kernel_serves(module, query, attention_mask, n):
+    if kernel_serves(module, query, attention_mask, n):
         mask = None if attention_mask is None else _last_contiguous(attention_mask[..., :length])
         out = cpu_attention.short_attention(
             query, _last_contiguous(key), _last_contiguous(value), mask, scale
@@ -114,7 +114,7 @@ def short_query_attention(
     return out.view(b, heads, n, value.shape[-1]).transpose(1, 2).contiguous(), None  # MLA: v heads narrower
 
 
-def _kernel_serves(module: torch.nn.Module, query: torch.Tensor, mask: torch.Tensor | None, n: int) -> bool:
+def kernel_serves(module: torch.nn.Module, query: torch.Tensor, mask: torch.Tensor | None, n: int) -> bool:
     """Whether cpu_attention's kernel (built for this dtype) takes the call: a mask it reads (bool or added in the
     query's dtype, 4-D), or none with causal queries (or one query)."""
     if query.device.type != "cpu" or not kernel_ready(query.dtype):

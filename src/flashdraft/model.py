@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_attention
-from .attention import kernel_ready
+from .attention import kernel_serves
 from .config import SLIDING_ATTENTION, WEIGHTS_NAME, DFlashConfig
 from .dflash2 import CandidateSelector, GroupedDynamicCausalConv
 from .draft_vocab import load_token_counts, save_token_counts
@@ -80,6 +80,7 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rope_interleaved = config.rope_interleaved
+        self.is_causal = False  # what a block sees is its mask's alone (read by attention.kernel_serves)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.rope_interleaved:  # GPT-J style (is_neox_style: false)
@@ -125,8 +126,11 @@ class DFlashAttention(nn.Module):
                 q, k, v, block_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
             )
             return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
-        # a CPU draft pass in bf16: the grouped K/V heads read in place, the hidden columns skipped
-        if _kernel_attends(q, mask):
+        # A CPU draft pass in bf16 (inference: the kernel has no backward): the grouped K/V heads read in place, the
+        # hidden columns skipped. Against SDPA on the K/V heads repeated for each query group, one layer of
+        # SmolLM2-135M's drafter, 16 queries over 512 + 16 columns of which 350 visible, 2-core Zen 4 EPYC: 190-210
+        # us against 290-350.
+        if not torch.is_grad_enabled() and kernel_serves(self, q, mask, q_len):
             out = cpu_attention.short_attention(q, k, v, mask, self.head_dim**-0.5)  # [b, q, heads, d]
             return self.o_proj(out.reshape(b, q_len, -1))
         groups = self.num_heads // self.num_kv_heads
@@ -135,22 +139,6 @@ class DFlashAttention(nn.Module):
             v = v.repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
-
-
-def _kernel_attends(q: torch.Tensor, mask: Any) -> bool:
-    """Whether a block's attention runs cpu_attention's kernel: inference (it has no backward) on a CPU in a dtype
-    whose kernel the target built (attention.kernel_ready), under a boolean mask (the kernel reads no mask as
-    causal; the drafter's block is not). Against SDPA on the K/V heads repeated for each query group, one layer
-    of SmolLM2-135M's drafter, 16 queries over 512 + 16 columns of which 350 visible, bf16, 2-core Zen 4 EPYC:
-    190-210 us against 290-350."""
-    return (
-        isinstance(mask, torch.Tensor)
-        and mask.dtype == torch.bool
-        and mask.dim() == 4
-        and q.device.type == "cpu"
-        and not torch.is_grad_enabled()
-        and kernel_ready(q.dtype)
-    )
 
 
 _FLEX = None
