@@ -5,6 +5,10 @@ VENV       ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN        := $(VENV)/bin
 STAMP      := $(VENV)/.flashdraft-installed
+# Test processes (pytest-xdist). Every test runs torch on one thread (tests/conftest.py), so the suites are
+# one-core jobs: one process per core halves them on 2 cores. `make test PYTEST_WORKERS=0` runs in one process.
+PYTEST_WORKERS ?= 2
+PYTEST_PAR     := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist worksteal)
 
 .PHONY: venv test test-slow test-all test-compat test-zlab test-vllm test-llamacpp lint demo clean
 
@@ -21,11 +25,11 @@ $(STAMP): pyproject.toml
 
 # Default suite: tiny random models only, a few minutes on 2 cores.
 test: venv
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q $(PYTEST_PAR) -m "not slow"
 
 # Integration tests on a real model (SmolLM2-135M, fetched once into FLASHDRAFT_HOME).
 test-slow: venv
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q $(PYTEST_PAR) -m slow
 
 # The core suite against the oldest supported transformers (4.57: other DynamicCache.crop / sliding-cache rules),
 # batched decoding included (it edits the cache layers directly).
@@ -35,7 +39,7 @@ test-compat:
 	$(COMPAT_VENV)/bin/python -m pip install -q --upgrade pip
 	$(COMPAT_VENV)/bin/python -m pip install --progress-bar off "$(TORCH_SPEC)" "transformers==4.57.1"
 	$(COMPAT_VENV)/bin/python -m pip install --progress-bar off -e ".[test,all]"
-	$(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_model.py tests/test_generate.py \
+	$(COMPAT_VENV)/bin/python -m pytest -q $(PYTEST_PAR) -p no:cacheprovider tests/test_model.py tests/test_generate.py \
 		tests/test_train.py tests/test_batch.py tests/test_static_cache.py tests/test_attention.py tests/test_tree.py \
 		tests/test_cpu_attention.py \
 		-k "not ddp and not short_cpu and not hybrid"
@@ -94,7 +98,7 @@ test-llamacpp:
 		-m llamacpp tests/test_llamacpp.py
 
 test-all: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_PAR)
 
 lint: venv
 	$(BIN)/ruff check src tests

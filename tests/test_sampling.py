@@ -19,6 +19,10 @@ from flashdraft.sampling import inverse_cdf_sample, position_uniforms, target_pr
 V = 6  # tiny vocabulary: 6^3 = 216 joint outcomes for three tokens
 PROMPT = [3, 1, 4, 1, 5]
 N_SAMPLES = 20_000
+# Through a DFlash drafter (a draft pass a step, about twice the time of a guess) the law is tested on 8,000 samples,
+# as in the batched and served tests below: the expected total variation is then 0.021 at T=1 and 0.015 at T=0.9
+# (against the 0.05 allowed), 0.013 and 0.010 at 20,000.
+N_DFLASH_SAMPLES = 8_000
 
 
 @pytest.fixture(scope="module")
@@ -111,16 +115,17 @@ def test_sampling_is_lossless(small_target, params, proposer_kind):
         proposer = DFlashDraftModel.for_target(
             small_target.config, num_layers=1, block_size=4, mask_token_id=V - 1
         )
+    else:
+        proposer = GreedyGuessProposer(small_target, block_size=4)
     if proposer_kind == "dflash_auto_free_verify":
         # Verifying costs the same at any length: the cost-aware policy drafts and verifies every slot it may,
         # so the sampled law must survive its drafts and prompt lookups too.
         costs = CostModel(lengths=[1, 4], verify_base=[1.0, 1.0], verify_slope=[0.0, 0.0], draft_base=1e-3)
-    else:
-        proposer = GreedyGuessProposer(small_target, block_size=4)
     joint = exact_joint(small_target, params)
     samples: Counter = Counter()
     accepted_runs = 0
-    for i in range(N_SAMPLES):
+    n = N_DFLASH_SAMPLES if proposer_kind.startswith("dflash") else N_SAMPLES
+    for i in range(n):
         res = generate(
             target,
             proposer,
@@ -135,7 +140,7 @@ def test_sampling_is_lossless(small_target, params, proposer_kind):
         )
         samples[tuple(res.new_tokens)] += 1
         accepted_runs += res.acceptance_lengths[0] > 1
-    assert_same_law(samples, joint, N_SAMPLES)
+    assert_same_law(samples, joint, n)
     if proposer_kind == "greedy_guess":
         assert accepted_runs > N_SAMPLES // 4  # the accept path was exercised, not only the residual path
 
