@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 	@echo "==> installed: the CLI is $(BIN)/flashdraft"
 
-# Default suite: tiny random models only, about 20-30 minutes on 2 cores (two test processes).
+# Default suite: tiny random models only, about 30 minutes on 2 cores (two test processes).
 test: venv
 	$(BIN)/python -m pytest -q $(PYTEST_PAR) -m "not slow"
 

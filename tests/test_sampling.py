@@ -19,8 +19,8 @@ from flashdraft.sampling import inverse_cdf_sample, position_uniforms, target_pr
 V = 6  # tiny vocabulary: 6^3 = 216 joint outcomes for three tokens
 PROMPT = [3, 1, 4, 1, 5]
 N_SAMPLES = 20_000
-# Through a DFlash drafter (a draft pass a step, about twice the time of a guess) the law is tested on 8,000 samples,
-# as in the batched and served tests below: the expected total variation is then 0.021 at T=1 and 0.015 at T=0.9
+# Through a DFlash drafter (a draft pass a step) the law is tested on 8,000 samples, as in the batched and served
+# tests below: the expected total variation is then 0.021 at T=1 and 0.015 at T=0.9
 # (against the 0.05 allowed), 0.013 and 0.010 at 20,000.
 N_DFLASH_SAMPLES = 8_000
 
@@ -142,7 +142,7 @@ def test_sampling_is_lossless(small_target, params, proposer_kind):
         accepted_runs += res.acceptance_lengths[0] > 1
     assert_same_law(samples, joint, n)
     if proposer_kind == "greedy_guess":
-        assert accepted_runs > N_SAMPLES // 4  # the accept path was exercised, not only the residual path
+        assert accepted_runs > n // 4  # the accept path was exercised, not only the residual path
 
 
 def test_verify_block_rules():
