@@ -7,14 +7,16 @@ import torch
 
 from conftest import VOCAB
 from flashdraft import DFlashDraftModel, Target, generate, generate_ar
-from flashdraft.batched_dflash import BatchedDFlashProposer
+from flashdraft.batched_dflash import MAX_SKIP_STEPS, BatchedDFlashProposer
 from flashdraft.calibration import BELOW_PRIOR, DEPTH_GROUPS, Calibration
 from flashdraft.costs import CostModel
 from flashdraft.engine import BatchDecoder
+from flashdraft.generate import run
 from flashdraft.kv_cache import bucket
 from flashdraft.lookup import prompt_lookup
 from flashdraft.measure import measure_costs
 from flashdraft.policy import AcceptanceTable, best_verify_length, expected_tokens
+from flashdraft.sampling import SamplingParams
 
 
 def cpu_like_costs(block: int = 8, draft_s: float = 0.2) -> CostModel:
@@ -124,18 +126,63 @@ def scripted(
     return proposer
 
 
-def test_policy_skips_drafting_when_hopeless_and_probes_back(tiny):
+def probe_steps(proposer) -> list[int]:
+    """The steps (by count of propose calls) on which the proposer ran a draft pass, filled in as it decodes."""
+    propose, draft_rows, steps, passes = proposer.propose, proposer.draft_rows, [], []
+
+    def counting_propose(rows, max_drafts):
+        steps.append(len(steps))
+        return propose(rows, max_drafts)
+
+    def counting_draft(rows, slots=None):
+        passes.append(steps[-1])
+        return draft_rows(rows, slots)
+
+    proposer.propose, proposer.draft_rows = counting_propose, counting_draft
+    return passes
+
+
+@pytest.mark.parametrize("draft_s", [0.2, 3.0])
+def test_policy_skips_drafting_when_hopeless_and_probes_back(tiny, draft_s):
+    """Hopeless drafts: plain steps, with probes ever further apart (each gap at least twice the last), and as
+    far apart as a probe's loss asks: a draft pass of 3 plain steps is lost at each probe, so probes come at most
+    every 30 steps (10 % of the time); one of 0.2 steps probes after 2, 4, 8, .. steps. Output as plain."""
     target, draft = tiny
     ids = torch.arange(3, 20)[None]
-    proposer = scripted(target, draft, cpu_like_costs(), 0.001)
+    proposer = scripted(target, draft, cpu_like_costs(draft_s=draft_s), 0.001)
+    probes = probe_steps(proposer)
     res = generate(target, proposer, ids, 60, stop_token_ids=[])
-    stats = res.proposer_stats["steps_by_source"]
-    # mostly plain steps, with probes 1, 2, 4, 8, .. steps apart
-    assert stats["plain"] > 3 * stats["dflash"] and stats["dflash"] >= 3, stats
-    assert all(n == 0 for n in res.draft_lengths)
-    # probes come after 1, 2, 4, 8, .. skipped steps: with s probes, at most 2^s - 1 skipped steps in between
-    assert stats["plain"] <= 2 ** stats["dflash"] - 1
+    assert all(n == 0 for n in res.draft_lengths)  # no probe's drafts verified
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:], strict=False)]
+    assert all(g >= min(2 * f, MAX_SKIP_STEPS) for f, g in zip(gaps, gaps[1:], strict=False))
+    if draft_s < 1:
+        assert probes[0] == 0 and gaps[0] <= 3 and len(probes) >= 4
+    else:
+        assert probes[0] == 0 and gaps[0] >= 30 and len(probes) == 2
     assert res.new_tokens == generate_ar(target, ids, 60, stop_token_ids=[]).new_tokens
+
+
+def test_a_paid_draft_pass_verifies_only_what_beats_plain_steps(tiny):
+    """A compute-bound batched verify (n tokens cost n plain steps' worth: a 2-core CPU at many rows) behind an
+    expensive draft pass: verifying 4 rows' drafts at 0.6 beats the draft pass's own price, but never the plain
+    steps that come next, so once the pass is paid the policy verifies none of them. Rows decode as plain."""
+    target, draft = tiny
+    lengths = [1, 2, 4, 8, 16, 32, 64]
+    costs = CostModel(
+        lengths=lengths, verify_base=[0.25 * n for n in lengths], verify_slope=[0.0] * 7, draft_base=3.0
+    )
+    proposer = scripted(target, draft, costs, 0.6)
+    e = [expected_tokens(torch.full((3,), 0.6))] * 4
+    assert proposer._batch_rate(e, 3.0, 100, 3)[0] > 0  # priced with its draft pass, 0.6 drafts are verified
+    assert proposer._batch_rate(e, 3.0, 100, 3, paid_against=4 / 1.0)[0] == 0
+    probes = probe_steps(proposer)
+    prompts = [list(range(3 + i, 20 + i)) for i in range(4)]
+    decoder = BatchDecoder(target, proposer)
+    out = run(decoder, prompts, [30] * 4, SamplingParams(), [], [0] * 4)
+    assert probes and all(n == 0 for o in out for n in o.draft_lengths)
+    assert [o.new_tokens for o in out] == [
+        generate_ar(target, p, 30, stop_token_ids=[]).new_tokens for p in prompts
+    ]
 
 
 def test_policy_verifies_the_full_block_when_sure(tiny):
@@ -278,7 +325,7 @@ def test_batched_verify_prices_each_shape_as_measured(tiny):
         proposer.timed(4, 1, 100, float(costs.verify_s(4, 100)))
         for tokens in (2, 3, 4):
             proposer.timed(4, tokens, 100, 3 * float(costs.verify_s(4 * tokens, 100)))
-    level = proposer._verify_ratio(4)
+    level = proposer.prices.ratio(4)
     blended = [
         (4 * float(expected_tokens(torch.full((n,), 0.6))[-1]))
         / (float(costs.verify_s(4 * (n + 1), 100)) * level)
@@ -286,9 +333,9 @@ def test_batched_verify_prices_each_shape_as_measured(tiny):
     ]
     assert max(range(4), key=blended.__getitem__) > 0  # one ratio for every shape would still draft
     assert proposer._batch_rate(probs, 0.0, 100, 3)[0] == 0
-    ratios = proposer._verify_ratios(4, torch.arange(1, 5))
+    ratios = proposer.prices.ratios(4, torch.arange(1, 5))
     assert float(ratios[1] / ratios[0]) == pytest.approx(3.0, rel=0.25)
-    assert proposer._verify_ratios(1, torch.arange(1, 4)).tolist() == [
+    assert proposer.prices.ratios(1, torch.arange(1, 4)).tolist() == [
         1.0,
         1.0,
         1.0,

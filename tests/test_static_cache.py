@@ -14,6 +14,7 @@ from conftest import VOCAB, OracleProposer, hybrid_model, tiny_model
 from flashdraft import DFlashDraftModel, Target, attention, generate_ar
 from flashdraft.compiled import compile_verify, verify_forward
 from flashdraft.compiled_draft import draft_block_pass
+from flashdraft.costs import CostModel
 from flashdraft.engine import BatchDecoder
 from flashdraft.generate import generate, generate_batch, run
 from flashdraft.kv_cache import CAPACITY_STEP, MASK_STEP, VERIFY_BUCKETS, kv_layers, static_mask
@@ -761,11 +762,14 @@ def test_the_static_cache_serves_only_what_it_is_verified_on(models, monkeypatch
     assert "flash_attention_2" in compile_verify(target) and target.compile_options is None
 
 
-def test_a_compiled_server_makes_its_several_row_graphs_before_the_first_request(models):
+@pytest.mark.parametrize("drafted", [False, True])
+def test_a_compiled_server_makes_its_several_row_graphs_before_the_first_request(models, drafted):
     """dynamo keeps a size of 1 apart, so a compiled server that met one request at a time compiled again at its
     first batch of several, in the middle of their answers (86 s for the plain int8 server's first batch of 8 on a
     2-core Xeon). The worker decodes two rows together before it serves: a batch after a lone request makes no
-    graph, and answers as plain decoding does."""
+    graph, and answers as plain decoding does. With a drafter whose drafts do not pay, the policy would skip the
+    draft pass of those two rows (its probes come 2+ steps apart): it drafts them anyway, the first pass of
+    several rows (at 8 rows on the int8 server, 10 s answers without)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from fastapi.testclient import TestClient
@@ -777,13 +781,20 @@ def test_a_compiled_server_makes_its_several_row_graphs_before_the_first_request
     torch._dynamo.reset()
     model = models["llama"]
     reference, target = _served_targets(model)
-    engine = Engine(target, None, max_queue=8, max_batch_size=4)
+    draft, costs = None, None
+    if drafted:  # a verify of n tokens costs about n plain steps: drafting never pays, the policy skips it
+        draft = DFlashDraftModel.for_target(model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1)
+        lengths = [1, 2, 4, 8]
+        costs = CostModel(lengths, [0.9 * n + 0.1 for n in lengths], [0.0] * 4, draft_base=0.2)
+    engine = Engine(target, draft, max_queue=8, max_batch_size=4, costs=costs)
     prompts = [[{"role": "user", "content": " ".join(f"w{3 + (i * 5 + j) % 80}" for j in range(3 + 2 * i))}]
                for i in range(4)]  # fmt: skip
     try:
         with TestClient(build_app(engine, MODEL)) as client:
             ask = _asker(client, 12)
             answers = [ask(prompts[0])]  # alone
+            if drafted:  # the warm-up's two rows were drafted together
+                assert engine.decoder.proposer.passes_made == {False, True}
             graphs = counters["stats"]["unique_graphs"]
             with ThreadPoolExecutor(3) as pool:  # then together
                 answers += list(pool.map(ask, prompts[1:]))

@@ -2,7 +2,7 @@
 step), over real answers: SmolLM2-135M-Instruct and its shipped drafter, GSM8K prompts, 128 tokens, 2 threads.
 Timers wrap the engine's, the proposer's and the drafter's functions; the graphs are compiled before timing.
 Run: python benchmarks/scripts/step_breakdown.py [bfloat16|float32] [int8] [prompts]"""
-import collections, functools, json, sys, time
+import collections, json, sys, time
 import torch
 import flashdraft.batched_dflash as B
 import flashdraft.engine as E
@@ -18,31 +18,15 @@ torch.set_num_threads(2)
 dtype = sys.argv[1] if len(sys.argv) > 1 else "bfloat16"
 quantize = sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] != "none" else None
 count = int(sys.argv[3]) if len(sys.argv) > 3 else 4
-spent = collections.Counter()
-calls = collections.Counter()
+from call_timers import calls, spent, time_methods, timed  # noqa: E402 (beside this script)
 
-
-def timed(name, fn):
-    @functools.wraps(fn)
-    def run(*a, **k):
-        t = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            spent[name] += time.perf_counter() - t
-            calls[name] += 1
-    return run
-
-
-for owner, names in [
+time_methods([
     (E.BatchDecoder, ["step", "forward_block", "_block", "_compact"]),
     (B.BatchedDFlashProposer, ["propose", "draft_rows", "draft_more_slots", "_first_slots", "_choices", "_batch_rate",
                                "timed", "observe", "accept", "_compact"]),
     (M.DFlashDraftModel, ["forward", "propose_tokens", "_attention_masks"]),
     (K.DraftContextCache, ["append"]),
-]:
-    for n in names:
-        setattr(owner, n, timed(f"{owner.__name__}.{n}", getattr(owner, n)))
+])
 E.verify_greedy_rows = timed("verify_greedy_rows", E.verify_greedy_rows)
 E.static_mask = timed("static_mask", E.static_mask)
 

@@ -6,6 +6,7 @@ costs.py), corrected online by the step times observed."""
 from __future__ import annotations
 
 import functools
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +14,7 @@ import torch
 
 from .calibration import JUMP_FORWARD_MAX_TOKENS, calibration_for
 from .compiled_draft import draft_block_pass, draft_context_pass, draft_head
-from .costs import CostModel
+from .costs import CostModel, ObservedCosts
 from .grammar import steer_drafts
 from .kv_cache import CAPACITY_STEP, uses_static_cache
 from .lookup import lookup_with_keys
@@ -42,6 +43,9 @@ if TYPE_CHECKING:
 # "pq": at T > 0, drafts sampled from the drafter's distribution and verified by speculative sampling.
 DRAFT_SAMPLING = ("match", "pq")
 MAX_SKIP_STEPS = 32
+# When drafting does not pay, a probe loses time against a plain step (its draft pass, mostly: for 16 rows it costs
+# more than their plain step): probes come rarely enough that they lose at most this share of the steps between.
+PROBE_SHARE = 0.1
 # The drafter's LM head covers first the slots whose verify costs at most this many plain steps (`_first_slots`).
 LAZY_HEAD_PRICE = 2.0
 # Draft trees: candidates kept per block slot (the drafter's own draft and the slot's next most likely tokens).
@@ -60,7 +64,9 @@ class BatchedDFlashProposer(BatchProposer):
     over the slots a verify could cheaply use, over the others only if they could pay (`_first_slots`); after the
     pass, each row keeps its draft or its free proposal (lookup match or forced text), whichever is expected to give
     more. When drafting does not beat plain steps, it is skipped for 1, 2, 4, .. steps between probes (the free
-    proposals still fill them), so it comes back as soon as the text becomes predictable again. An integer
+    proposals still fill them), so it comes back as soon as the text becomes predictable again, and for as many
+    steps as keep the probes' loss to a tenth of the time (`PROBE_SHARE`: a draft pass of many rows costs more than
+    their plain step); a probe verifies only what beats the plain steps that follow it. An integer
     `block_size` drafts and verifies that many tokens (anchor included) every step.
 
     `tree=N`: rows draft trees of at most N nodes instead of chains (tree.py), built best-first from each slot's few
@@ -109,7 +115,6 @@ class BatchedDFlashProposer(BatchProposer):
         self._spell = functools.lru_cache(maxsize=4096)(
             lambda text: tuple(tokenizer.encode(text, add_special_tokens=False))
         )
-        self.online_costs = online_costs
         self.tap_layer_ids = single.tap_layer_ids
         self.max_block_size = single.max_block_size
         self.mask_token_id = single.mask_token_id
@@ -144,20 +149,9 @@ class BatchedDFlashProposer(BatchProposer):
         self.draft_rate: float | None = None  # the batch's expected tokens/s when drafting (EMA)
         self.skip_steps = 0
         self.skip_left = 0
-        # Online corrections of the cost model (measured / predicted, EMA), for batches of 2+ rows only: a batched
-        # forward with ragged masks and a padded draft context cost what the single-row measurements cannot say.
-        # One row is the shape the cost model measured; correcting it only fed timing noise into the choice (at one
-        # row it measured 1.18x over plain against 1.36x without, in one run: benchmarks/README.md). One ratio per
-        # row count, which every verify of that many rows updates (plain steps included), so a busy spell and its
-        # end reach all verify lengths at once; the draft pass is priced relative to the verify (its ratio over the
-        # verify ratio of the moment). `online_costs=False` prices by `costs` alone (a cost model written by hand).
-        # A batched verify's cost does not follow rows x tokens as one row's does (16 rows of 2 tokens measured
-        # about 1.27x further above the cost model's price than 16 rows of 1, on the 2-core AMD EPYC), so each
-        # (rows, tokens per row) shape keeps its own factor over its row count's ratio: the level follows every
-        # verify, the shape only the verifies of that shape.
-        self.verify_ratio: dict[int, float] = {}  # by rows
-        self.verify_shape: dict[tuple[int, int], float] = {}  # by (rows, tokens per row), over verify_ratio
-        self.draft_ratio: float | None = None  # (measured / predicted draft) / verify ratio, EMA
+        self.passes_made: set[bool] = set()  # whether a draft pass of one row, of several rows, has run
+        # the cost model corrected by the step times observed (`online_costs=False`: by `costs` alone)
+        self.prices = None if costs is None else ObservedCosts(costs, online_costs)
         if tree is not None and tree < 1:
             raise ValueError(f"a draft tree needs at least one node, got {tree}")
         # Draft trees (tree.py): why this target verifies chains only, if it does (said once by --verbose).
@@ -350,9 +344,9 @@ class BatchedDFlashProposer(BatchProposer):
         b, slots = len(rows), self.max_block_size - 1
         drafts = torch.arange(1, slots + 1)
         lengths = self._padded(drafts + 1)
-        price = self.costs.verify_s(b * lengths, context) * self._verify_ratios(b, lengths)
+        price = self.prices.verify_s(b, lengths, context)
         plain = self.costs.verify_s(b * self._padded(torch.ones(1, dtype=torch.long)), context)
-        cheap = (price <= LAZY_HEAD_PRICE * plain * self._verify_ratio(b)).nonzero()
+        cheap = (price <= LAZY_HEAD_PRICE * plain * self.prices.ratio(b)).nonzero()
         first = int(cheap[-1]) + 1 if len(cheap) else 1
         return None if first >= slots else first
 
@@ -402,10 +396,22 @@ class BatchedDFlashProposer(BatchProposer):
         return "lookup", proposal, keys, expected
 
     def _batch_rate(
-        self, expectations: list[torch.Tensor], propose_s: float, context: int, max_n: int
+        self,
+        expectations: list[torch.Tensor],
+        propose_s: float,
+        context: int,
+        max_n: int,
+        paid_against: float | None = None,
     ) -> tuple[int, float]:
         """(shared number of proposals n, expected batch tokens/s) over n = 0..max_n; `expectations[i][k]`: row i's
-        expected tokens when k of its proposals are verified (`expected_tokens`, `DraftTree.expected_tokens`)."""
+        expected tokens when k of its proposals are verified (`expected_tokens`, `DraftTree.expected_tokens`).
+
+        The n of the most tokens per second, proposing included; with `paid_against` (tokens/s), the proposals are
+        paid for already and the steps after this one decode at that rate: the n whose verify gives the most tokens
+        beyond what that rate gives in the same time (0: the anchor alone, a plain step). Where drafting itself
+        beats that rate the two choose alike (the best ratio E(n) / (t_propose + t_verify(n)) also maximises
+        E(n) - ratio * t_verify(n)); where it does not, a verify of 16 rows x 4 tokens that the draft pass seemed to
+        justify costs more than the tokens it adds."""
         b = len(expectations)
         expected = [0.0] * (max_n + 1)  # in Python floats: a few short lists, twice a step
         for e in expectations:
@@ -414,9 +420,14 @@ class BatchedDFlashProposer(BatchProposer):
             for k in range(max_n + 1):
                 expected[k] += values[min(k, last)]
         tokens_per_row = self._padded(torch.arange(1, max_n + 2))
-        verify_s = self.costs.verify_s(b * tokens_per_row, context) * self._verify_ratios(b, tokens_per_row)
-        rates = [e / (propose_s + s) for e, s in zip(expected, verify_s.tolist(), strict=True)]
-        n = max(range(max_n + 1), key=rates.__getitem__)  # the first best, as torch.argmax
+        verify_s = self.prices.verify_s(b, tokens_per_row, context)
+        seconds = verify_s.tolist()
+        rates = [e / (propose_s + s) for e, s in zip(expected, seconds, strict=True)]
+        if paid_against is None:
+            n = max(range(max_n + 1), key=rates.__getitem__)  # the first best, as torch.argmax
+        else:
+            gains = [e - paid_against * s for e, s in zip(expected, seconds, strict=True)]
+            n = max(range(max_n + 1), key=gains.__getitem__)
         return n, rates[n]
 
     @torch.no_grad()
@@ -443,7 +454,7 @@ class BatchedDFlashProposer(BatchProposer):
         context = sum(row.anchor_position for row in rows) // b
         top = max(max_drafts)
         plain = self._padded(torch.ones(1, dtype=torch.long))
-        plain_rate = b / float(self.costs.verify_s(b * plain, context) * self._verify_ratios(b, plain))
+        plain_rate = b / float(self.prices.verify_s(b, plain, context))
         # Free proposals (lookup matches, forced text): the rate of verifying them alone, without a draft pass.
         free = [self._free_proposal(row, m) for row, m in zip(rows, max_drafts, strict=True)]
         longest_free = max(len(f[1]) for f in free)
@@ -455,8 +466,13 @@ class BatchedDFlashProposer(BatchProposer):
         # Draft when its expected rate beats this step's free proposals, and always once the skipped steps are over
         # (the rate that made it skip is stale then: a probe measures it again, or lookup would keep it off
         # forever).
+        # The first step of one row and the first of several draft whatever the rates say: their graphs (compiled)
+        # are made there, not in the middle of a later answer (the server's warm-up decodes one row, then two).
         probe = self.draft_rate is None or self.draft_rate <= plain_rate
-        draft_now = top > 0 and self.skip_left == 0 and (probe or self.draft_rate >= free_rate)
+        first_pass = (b > 1) not in self.passes_made
+        draft_now = top > 0 and (
+            first_pass or self.skip_left == 0 and (probe or self.draft_rate >= free_rate)
+        )
         self._q = [None] * b
         self._trees = [None] * b
         if not draft_now:
@@ -471,48 +487,48 @@ class BatchedDFlashProposer(BatchProposer):
             return out
 
         t0 = time.perf_counter()
+        self.passes_made.add(b > 1)
         first = self._first_slots(rows, context)
         tokens, confidence = self.draft_rows(rows, first)
         tokens, confidence = tokens.cpu(), confidence.cpu()  # the policy reads them on the host
         # priced with the head over the slots it covered (the lazy head skips the others)
         skipped = 0 if first is None else self.max_block_size - 1 - first
-        predicted = self.costs.draft_batch_s(b, context, skipped)
-        if self.online_costs and b > 1:  # the first measurement counts at once, as for the verify
-            ratio = (time.perf_counter() - t0) / max(predicted, 1e-9) / self._verify_ratio(b)
-            self.draft_ratio = ratio if self.draft_ratio is None else _ema(self.draft_ratio, ratio)
-        draft_s = predicted
-        if b > 1:
-            draft_s *= (self.draft_ratio or 1.0) * self._verify_ratio(b)
+        draft_s = self.prices.draft_s(b, context, skipped, time.perf_counter() - t0)
 
-        def choose(tokens: torch.Tensor, confidence: torch.Tensor) -> tuple[list, int, float]:
+        def choose(tokens: torch.Tensor, confidence: torch.Tensor) -> tuple[list, int, float, int]:
             choices = self._choices(rows, max_drafts, tokens, confidence, free)
             longest = max(top, *(len(c[3]) - 1 for c in choices))  # a tree may hold more nodes than its depth
-            return choices, *self._batch_rate([c[3] for c in choices], draft_s, context, longest)
+            return choices, *self._batch_rate([c[3] for c in choices], draft_s, context, longest), longest
 
-        choices, n, rate = choose(tokens, confidence)
+        choices, n, rate, longest = choose(tokens, confidence)
         if first is not None and top > first:
             # The other slots could only pay if, even with each of them as sure as the last one drafted (a slot is
             # accepted only after every slot before it, so its chance is at most the last one's), some longer
-            # verify beat this choice: then the head covers them too and the choice is made again.
+            # verify beat this choice and plain steps: then the head covers them too and the choice is made again.
             bound = [
                 _extended(c[3], m - first) if c[0] == "dflash" and m > first else c[3]
                 for c, m in zip(choices, max_drafts, strict=True)
             ]
-            if self._batch_rate(bound, draft_s, context, top)[1] > rate:
+            if self._batch_rate(bound, draft_s, context, top)[1] > max(rate, plain_rate):
                 tokens, confidence = self.draft_more_slots(tokens, confidence)
-                choices, n, rate = choose(tokens.cpu(), confidence.cpu())
+                choices, n, rate, longest = choose(tokens.cpu(), confidence.cpu())
         self.draft_rate = rate if self.draft_rate is None else 0.5 * self.draft_rate + 0.5 * rate
+        if rate < plain_rate:  # the pass is paid and plain steps come next: verify only what beats them
+            n = self._batch_rate([c[3] for c in choices], draft_s, context, longest, plain_rate)[0]
         # Skipping compares with plain steps only: a lookup match is this step's luck, taken whenever it wins, not a
         # reason to stop drafting.
         if self.draft_rate > plain_rate:
-            self.skip_steps = 0
+            self.skip_steps = self.skip_left = 0
         else:  # drafting does not pay for this batch right now: lookup or plain steps, then probe again
-            self.skip_steps = min(MAX_SKIP_STEPS, max(1, 2 * self.skip_steps))
+            plain_s = b / plain_rate
+            lost_s = (1.0 - self.draft_rate / plain_rate) * (draft_s + plain_s)  # a probe's, about
+            amortized = math.ceil(lost_s / (PROBE_SHARE * plain_s))
+            self.skip_steps = min(MAX_SKIP_STEPS, max(1, 2 * self.skip_steps, amortized))
             self.skip_left = self.skip_steps
         out = []
         for i, (source, toks, k, _, tree) in enumerate(choices):
             self._last[i] = (source, k[:n]) if n else None
-            self.counts[i][source] += 1
+            self.counts[i][source if n else "plain"] += 1
             if tree is not None and not (tree := tree.first(n)).is_chain:
                 self._trees[i] = tree
                 self._last[i] = ("tree", tree)
@@ -559,34 +575,9 @@ class BatchedDFlashProposer(BatchProposer):
         table = torch.tensor(self.padded_lengths)
         return table[(tokens_per_row - 1).clamp(max=len(table) - 1)]
 
-    def _verify_ratio(self, rows: int) -> float:
-        """Measured / predicted verify time at this many rows (the nearest row count measured so far; 1 for one
-        row, the measured shape)."""
-        if rows == 1 or not self.verify_ratio:
-            return 1.0
-        return self.verify_ratio[min(self.verify_ratio, key=lambda r: abs(r - rows))]
-
-    def _verify_ratios(self, rows: int, tokens_per_row: torch.Tensor) -> torch.Tensor:
-        """Measured / predicted verify time of `rows` rows of each of these token counts (the row count's ratio
-        times each shape's own factor, where that shape has been measured)."""
-        if rows == 1:
-            return torch.ones(len(tokens_per_row))
-        level = self._verify_ratio(rows)
-        return torch.tensor([level * self.verify_shape.get((rows, int(t)), 1.0) for t in tokens_per_row])
-
     def timed(self, rows: int, tokens_per_row: int, context: int, seconds: float) -> None:
-        if self.costs is None or not self.online_costs or rows == 1:
-            return
-        predicted = float(self.costs.verify_s(rows * tokens_per_row, context))
-        ratio = seconds / max(predicted, 1e-9)
-        old = self.verify_ratio.get(rows)
-        if old is not None:
-            key = (rows, tokens_per_row)
-            shape = ratio / old
-            self.verify_shape[key] = (
-                _ema(self.verify_shape[key], shape) if key in self.verify_shape else shape
-            )
-        self.verify_ratio[rows] = ratio if old is None else _ema(old, ratio)
+        if self.prices is not None:
+            self.prices.verify_timed(rows, tokens_per_row, context, seconds)
 
     def observe(
         self, rows: list[BatchRow], proposed: list[int], accepted: list[int], paths: Paths = None
@@ -614,10 +605,6 @@ def _extended(expected: torch.Tensor, more: int) -> torch.Tensor:
     further proposals: each accepted with the chance the last one had of being reached and accepted."""
     last = expected[-1] - expected[-2] if len(expected) > 1 else expected.new_zeros(())
     return torch.cat([expected, expected[-1] + last * torch.arange(1, more + 1)])
-
-
-def _ema(old: float, new: float, keep: float = 0.8) -> float:
-    return keep * old + (1.0 - keep) * new
 
 
 __all__ = ["DRAFT_SAMPLING", "BatchedDFlashProposer"]

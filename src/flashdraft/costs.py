@@ -2,8 +2,8 @@
 
 Verifying n tokens does not cost n one-token steps (the weights are read once), nor a constant (small-row GEMMs,
 attention over the context). `CostModel` interpolates measured times in n and is linear in the context; the policy
-(policy.py, proposers.py) reads prices from it and nothing else. How the prices are measured, and cached per machine,
-is measure.py.
+(policy.py, proposers.py) reads prices from it and nothing else; `ObservedCosts` corrects them by the step times the
+engine observes. How the prices are measured, and cached per machine, is measure.py.
 """
 
 from __future__ import annotations
@@ -75,6 +75,72 @@ class CostModel:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CostModel:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+class ObservedCosts:
+    """The cost model corrected online by the times observed (measured / predicted, EMA), for batches of 2+ rows
+    only: a batched forward with ragged masks and a padded draft context costs what the single-row measurements
+    cannot say. One row is the shape the cost model measured; correcting it only fed timing noise into the choice
+    (at one row it measured 1.18x over plain against 1.36x without, in one run: benchmarks/README.md).
+
+    One ratio per row count, which every verify of that many rows updates (plain steps included), so a busy spell
+    and its end reach all verify lengths at once. A batched verify's cost does not follow rows x tokens as one
+    row's does (16 rows of 2 tokens measured about 1.27x further above the cost model's price than 16 rows of 1, on
+    the 2-core AMD EPYC), so each (rows, tokens per row) shape keeps its own factor over its row count's ratio: the
+    level follows every verify, the shape only the verifies of that shape. The draft pass is priced relative to
+    the verify (its ratio over the verify ratio of the moment). `online=False` prices by the cost model alone (one
+    written by hand)."""
+
+    def __init__(self, costs: CostModel, online: bool = True) -> None:
+        self.costs = costs
+        self.online = online
+        self.by_rows: dict[int, float] = {}
+        self.by_shape: dict[tuple[int, int], float] = {}  # over by_rows
+        self.draft_ratio: float | None = None  # (measured / predicted draft pass) / verify ratio
+
+    def ratio(self, rows: int) -> float:
+        """Measured / predicted verify time at this many rows (the nearest row count measured so far; 1 for one
+        row, the measured shape)."""
+        if rows == 1 or not self.by_rows:
+            return 1.0
+        return self.by_rows[min(self.by_rows, key=lambda r: abs(r - rows))]
+
+    def ratios(self, rows: int, tokens_per_row: torch.Tensor) -> torch.Tensor:
+        """Measured / predicted verify time of `rows` rows of each of these token counts (the row count's ratio
+        times each shape's own factor, where that shape has been measured)."""
+        if rows == 1:
+            return torch.ones(len(tokens_per_row))
+        level = self.ratio(rows)
+        return torch.tensor([level * self.by_shape.get((rows, int(t)), 1.0) for t in tokens_per_row])
+
+    def verify_s(self, rows: int, tokens_per_row: torch.Tensor, context: int) -> torch.Tensor:
+        """Seconds for a verify of `rows` rows of each of these token counts."""
+        return self.costs.verify_s(rows * tokens_per_row, context) * self.ratios(rows, tokens_per_row)
+
+    def verify_timed(self, rows: int, tokens_per_row: int, context: int, seconds: float) -> None:
+        if not self.online or rows == 1:
+            return
+        ratio = seconds / max(float(self.costs.verify_s(rows * tokens_per_row, context)), 1e-9)
+        old = self.by_rows.get(rows)
+        if old is not None:
+            key, shape = (rows, tokens_per_row), ratio / old
+            self.by_shape[key] = _ema(self.by_shape[key], shape) if key in self.by_shape else shape
+        self.by_rows[rows] = ratio if old is None else _ema(old, ratio)
+
+    def draft_s(self, rows: int, context: int, skipped_slots: int, measured_s: float) -> float:
+        """The price of a draft pass of `rows` rows (`CostModel.draft_batch_s`) that took `measured_s`, which
+        corrects it first (the first measurement counts at once, as for the verify)."""
+        predicted = self.costs.draft_batch_s(rows, context, skipped_slots)
+        if rows == 1:
+            return predicted
+        if self.online:
+            ratio = measured_s / max(predicted, 1e-9) / self.ratio(rows)
+            self.draft_ratio = ratio if self.draft_ratio is None else _ema(self.draft_ratio, ratio)
+        return predicted * (self.draft_ratio or 1.0) * self.ratio(rows)
+
+
+def _ema(old: float, new: float, keep: float = 0.8) -> float:
+    return keep * old + (1.0 - keep) * new
 
 
 def _interp(x: float, xs: list[int], ys: list[float]) -> float:
