@@ -420,8 +420,7 @@ class BatchedDFlashProposer(BatchProposer):
             for k in range(max_n + 1):
                 expected[k] += values[min(k, last)]
         tokens_per_row = self._padded(torch.arange(1, max_n + 2))
-        verify_s = self.prices.verify_s(b, tokens_per_row, context)
-        seconds = verify_s.tolist()
+        seconds = self.prices.verify_s(b, tokens_per_row, context).tolist()
         rates = [e / (propose_s + s) for e, s in zip(expected, seconds, strict=True)]
         if paid_against is None:
             n = max(range(max_n + 1), key=rates.__getitem__)  # the first best, as torch.argmax
