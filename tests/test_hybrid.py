@@ -12,13 +12,14 @@ from conftest import HYBRID_ARCHS, VOCAB, OracleProposer, hybrid_model
 from flashdraft import DFlashDraftModel, Target, TargetError, generate, generate_ar
 from flashdraft.cli import app
 from flashdraft.generate import generate_batch
+from flashdraft.recurrent import causal_lm_class
 
 EXACT = HYBRID_ARCHS
 
 
 def refused_config(arch: str):
     """Families the rollback does not cover: RWKV keeps its state outside transformers' cache layers; Falcon-Mamba
-    is not verified (refused until a test says it is exact)."""
+    is not verified (refused until a test says it is exact); GPT-1 takes no cache at all."""
     import transformers as tf
 
     common = dict(
@@ -28,10 +29,12 @@ def refused_config(arch: str):
         return tf.RwkvConfig(attention_hidden_size=64, intermediate_size=128, context_length=256, **common)
     if arch == "falcon_mamba":
         return tf.FalconMambaConfig(state_size=8, expand=2, **common)
+    if arch == "openai-gpt":
+        return tf.OpenAIGPTConfig(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=2)
     raise ValueError(arch)
 
 
-REFUSED = ["rwkv", "falcon_mamba"]
+REFUSED = ["rwkv", "falcon_mamba", "openai-gpt"]
 
 
 class _Hybrids(dict):
@@ -101,7 +104,20 @@ def test_cli_refuses_with_one_line_before_loading(tmp_path, arch, monkeypatch):
         assert result.exit_code == 2, (command, result.output)
         lines = [line for line in result.output.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("error:"), result.output
-        assert "Traceback" not in result.output and "ForCausalLM" in lines[0]
+        assert "Traceback" not in result.output and causal_lm_class(config).__name__ in lines[0]
+
+
+def test_a_cache_layer_a_model_defines_for_itself_is_refused():
+    """DeepSeek-V4's compressor caches derive from the sliding-window layer, which the engine would swap for a
+    plain KV layer: their state is not what a crop rolls back."""
+    import transformers as tf
+
+    from flashdraft.recurrent import decoding_support
+
+    if not hasattr(tf, "DeepseekV4Config"):
+        pytest.skip(f"transformers {tf.__version__} has no DeepSeek-V4")
+    why = decoding_support(tf.DeepseekV4Config(num_hidden_layers=2))
+    assert why is not None and "DeepseekV4ForCausalLM" in why
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "jamba"])

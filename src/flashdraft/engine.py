@@ -405,18 +405,15 @@ class BatchDecoder:
             return self.target.forward(
                 block, self.cache, self.proposer.tap_layer_ids, attention_mask=mask, position_ids=positions
             )
-        # Without holes every row holds the same C tokens and its block sits at positions C.., the model's own
-        # defaults: no explicit mask (one row always; the causal fast path of SDPA stays available).
+        # Without holes every row holds the same C tokens: no explicit mask (one row always; the causal fast path of
+        # SDPA stays available). Positions are always given: a model without them counts the cache's tokens, and
+        # transformers >= 5.25 counts those of a linear-attention layer (layer 0 of Qwen3.5 and LFM2), which the
+        # rollback and the batch's column bookkeeping do not keep.
         mask = None
         if not bool(self.valid.all()):
             mask = torch.cat([self.valid, self.valid.new_ones(len(self.valid), n)], 1).long().to(block.device)
-        explicit = mask is not None or self.target.multimodal_rope
         return self.target.forward(
-            block,
-            self.cache,
-            self.proposer.tap_layer_ids,
-            attention_mask=mask,
-            position_ids=positions if explicit else None,
+            block, self.cache, self.proposer.tap_layer_ids, attention_mask=mask, position_ids=positions
         )
 
     def _check_tree(self, row: BatchRow, n: int) -> None:

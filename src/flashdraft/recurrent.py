@@ -91,6 +91,9 @@ def decoding_support(
     dynamic, _, linear = _cache_classes()
     layers = cache_layers(config)
     recurrent = [i for i, layer in enumerate(layers) if is_recurrent_layer(layer)]
+    own_cache = None if recurrent else _own_cache(model_class)
+    if own_cache:
+        return f"{name} {own_cache}, so speculative decoding could not roll it back exactly; flashdraft refuses it"
     why = None
     if getattr(model_class, "_is_stateful", False) and not recurrent:
         why = (
@@ -119,12 +122,32 @@ def decoding_support(
 
     stateless = getattr(cu, "DummyLayer", ())  # layers that reuse another layer's KV (gemma-4) or hold none
     for i, layer in enumerate(layers):
-        if not isinstance(layer, (dynamic, stateless)) and not is_recurrent_layer(layer):
+        # A layer class a model defines for itself (DeepSeek-V4's compressor caches derive from the sliding-window
+        # layer) holds state that a crop does not roll back.
+        own = type(layer).__module__ != cu.__name__
+        if own or (not isinstance(layer, (dynamic, stateless)) and not is_recurrent_layer(layer)):
             return (
                 f"{name} layer {i} uses a {type(layer).__name__} cache that flashdraft cannot roll back exactly; "
                 "flashdraft refuses it"
             )
     return None
+
+
+def _own_cache(model_class: type | None) -> str | None:
+    """Why a model class keeps its context outside a transformers `DynamicCache`, if it does: its forward takes no
+    cache (GPT-1: it recomputes the context), or it declines the default cache for one of its own (RWKV's state,
+    xLSTM, XLNet's mems; transformers 5.25 dropped the `_is_stateful` flag that named the recurrent ones)."""
+    if model_class is None or getattr(model_class, "_is_stateful", False):
+        return None
+    params = inspect.signature(model_class.forward).parameters
+    if not any(a in params for a in ("cache", "past_key_values", "cache_params")):
+        return "takes no cache in its forward"
+    supports = getattr(model_class, "_supports_default_dynamic_cache", None)
+    try:
+        declines = supports is not None and not supports()
+    except TypeError:  # an instance method (older transformers)
+        declines = False
+    return "keeps its context in a cache of its own, not a transformers DynamicCache" if declines else None
 
 
 def _is_sliding_layer(layer: Any) -> bool:
@@ -222,6 +245,14 @@ class _ReplayCache:
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         return True
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """transformers >= 5.25: how many per-token recurrent states to return; none, as nothing is recorded."""
+        return 0
+
+    def increase_count(self, layer_idx: int, state_idx: int) -> None:
+        """transformers >= 5.25: a one-token step updated the conv state in place and counts its token; a replay
+        keeps no token count (the live cache's layer keeps it)."""
 
     def update_conv_state(
         self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
