@@ -61,6 +61,17 @@ def test_acceptance_table_counts_only_trials():
     assert table.p(torch.tensor([0, 1, 2])).tolist() == pytest.approx([2 / 3, 1 / 3, 0.5])
 
 
+def test_a_run_of_keys_is_priced_from_what_the_table_knows_now():
+    """`run` keeps the expected tokens of a run of keys between steps; what the table learns replaces them."""
+    table = AcceptanceTable([0.5, 0.5, 0.5, 0.5], prior_weight=2.0)
+    keys, before = table.run(1, 2)
+    assert keys.tolist() == [1, 2] and before.tolist() == pytest.approx([1.0, 1.5, 1.75])
+    table.update(torch.tensor([1, 2]), num_verified=2, num_accepted=2)
+    keys, after = table.run(1, 2)
+    assert after.tolist() == pytest.approx(expected_tokens(table.p(torch.tensor([1, 2]))).tolist())
+    assert after[-1] > before[-1]
+
+
 def test_the_drafter_s_acceptance_is_learned_per_depth_and_per_candidate_rank():
     cal = Calibration()
     sure = torch.full((6,), 0.93)  # the same confidence at every depth of a chain

@@ -25,7 +25,7 @@ ids = torch.randint(100, 20000, (1, 256), generator=torch.Generator().manual_see
 draft = DFlashDraftModel.from_pretrained("drafters/smollm2-135m-instruct").eval().to(torch.bfloat16)
 engine = static_decoder(target, draft, ids, dtype="bfloat16")
 proposer, row = engine.proposer, engine.rows[0]
-features = torch.randn(1, 3, proposer.pending[0].shape[-1], dtype=proposer.pending[0].dtype)
+features = torch.randn(1, 3, proposer.pending[0][0].shape[-1], dtype=proposer.pending[0][0].dtype)
 
 
 def one_pass() -> None:

@@ -26,7 +26,10 @@ from call_timers import calls, spent, time_methods, timed  # noqa: E402 (beside 
 time_methods(
     [
         (E.BatchDecoder, ["step", "add", "forward_block", "_block", "_compact", "_remove", "_merge"]),
-        (B.BatchedDFlashProposer, ["propose", "accept", "add", "remove", "observe", "timed"]),
+        (
+            B.BatchedDFlashProposer,
+            ["propose", "accept", "add", "remove", "observe", "timed", "_free_proposal", "_batch_rate", "draft_rows"],
+        ),
     ]
 )
 C.VerifyForward.__call__ = timed("VerifyForward.__call__", C.VerifyForward.__call__)

@@ -17,7 +17,7 @@ from .compiled_draft import draft_block_pass, draft_context_pass, draft_head
 from .costs import CostModel, ObservedCosts
 from .grammar import steer_drafts
 from .kv_cache import CAPACITY_STEP, uses_static_cache
-from .lookup import lookup_with_keys
+from .lookup import lookup_with_key
 from .model import PAD_POSITION, DFlashDraftModel, DraftContextCache
 from .policy import expected_tokens
 from .proposers import BatchProposer, DFlashProposer, Paths
@@ -141,7 +141,9 @@ class BatchedDFlashProposer(BatchProposer):
         self.head_logits = single.head_logits if compiled_head is None else lambda h: compiled_head(h)[0]
         self.cache = self._new_cache()
         self.absorbed: list[int] = []  # context tokens of each row already in the draft cache
-        self.pending: list[torch.Tensor | None] = []  # [k, F] features not yet projected, per row
+        # per row: the [k, F] features not yet projected, as the steps gave them (joined by the next draft pass: a
+        # row's pile grows by one step's tokens a step, and may grow for dozens of steps while drafting is skipped)
+        self.pending: list[list[torch.Tensor]] = []
         self.counts: list[dict[str, int]] = []
         self._last: list[tuple[str, torch.Tensor] | None] = []
         self._q: list[torch.Tensor | None] = []  # per row: the sampled drafts' distributions of this step
@@ -176,7 +178,7 @@ class BatchedDFlashProposer(BatchProposer):
             raise GenerationError("the DFlash proposer needs target features from prefill")
         self.cache.add_row()  # it holds nothing in the draft cache yet: all padding
         self.absorbed.append(0)
-        self.pending.append(features[0])
+        self.pending.append([features[0]])
         self.counts.append({"dflash": 0, "lookup": 0, "grammar": 0, "plain": 0})
         self._last.append(None)
         self._q.append(None)
@@ -208,8 +210,7 @@ class BatchedDFlashProposer(BatchProposer):
         for i, f in enumerate(features):
             if f is None:
                 raise GenerationError("the DFlash proposer needs target features of the accepted tokens")
-            p = self.pending[i]
-            self.pending[i] = f[0] if p is None else torch.cat([p, f[0]])
+            self.pending[i].append(f[0])
 
     def stats(self, index: int) -> dict[str, Any]:
         return {"steps_by_source": dict(self.counts[index]), "tree_steps": self.tree_steps[index]}
@@ -222,17 +223,17 @@ class BatchedDFlashProposer(BatchProposer):
         slots only (drafts [b, slots]); `draft_more_slots` adds the others from the same pass."""
         device = self.target.device
         b, block = len(rows), self.max_block_size
-        lengths = [0 if p is None else p.shape[0] for p in self.pending]
-        width = max(lengths)
+        pending = [(torch.cat(p) if len(p) > 1 else p[0]) if p else None for p in self.pending]
+        width = max(0 if p is None else p.shape[0] for p in pending)
         c = self.cache
         # Padding in the cache (rows hold fewer real columns than it has), counted on the host: no wait on the device.
         padded = c.positions is not None and min(self.absorbed) < len(c)
         features, context_positions = None, None
         if width:
-            feat_dim = next(p for p in self.pending if p is not None).shape[-1]
-            features = torch.zeros(b, width, feat_dim, dtype=self.pending[0].dtype, device=device)
+            first = next(p for p in pending if p is not None)
+            features = torch.zeros(b, width, first.shape[-1], dtype=first.dtype, device=device)
             context_positions = torch.full((b, width), PAD_POSITION, dtype=torch.long, device=device)
-            for i, (p, row) in enumerate(zip(self.pending, rows, strict=True)):
+            for i, (p, row) in enumerate(zip(pending, rows, strict=True)):
                 if p is None:
                     continue
                 if self.absorbed[i] + p.shape[0] != row.anchor_position:
@@ -261,7 +262,7 @@ class BatchedDFlashProposer(BatchProposer):
             block_pass=self.block_pass,
             context_pass=self.context_pass,
         )
-        self.pending = [None] * b
+        self.pending = [[] for _ in range(b)]
         self._compact()
         # Slot k predicts the token at anchor + k; slot 0's output is unused.
         self._pass = (hidden, anchors)
@@ -380,17 +381,16 @@ class BatchedDFlashProposer(BatchProposer):
         """A row's proposal that costs no draft pass: (source, tokens, keys, expected tokens by proposals verified).
         Its lookup match, or for a constrained row the text its grammar forces next if that is expected to give
         more."""
-        proposal, keys = [], torch.empty(0, dtype=torch.long)
+        proposal, start = [], 0
         if self.use_lookup and max_tokens > 0:
-            proposal, keys = lookup_with_keys(row.history, max_tokens)
-        expected = expected_tokens(self.calibration.lookup.p(keys))
+            proposal, start = lookup_with_key(row.history, max_tokens)
+        keys, expected = self.calibration.lookup.run(start, len(proposal))
         if row.grammar is not None and self.jump_forward and max_tokens > 0:
             t0 = time.perf_counter()
             forced = row.grammar.jump_forward(self._spell, min(max_tokens, JUMP_FORWARD_MAX_TOKENS))
             row.result.grammar_s += time.perf_counter() - t0
             if forced:
-                forced_keys = torch.arange(len(forced))
-                forced_expected = expected_tokens(self.calibration.grammar.p(forced_keys))
+                forced_keys, forced_expected = self.calibration.grammar.run(0, len(forced))
                 if forced_expected[-1] > expected[-1]:
                     return "grammar", forced, forced_keys, forced_expected
         return "lookup", proposal, keys, expected

@@ -3,8 +3,6 @@ text's last n-gram), free to propose, and keyed for the policy's acceptance tabl
 
 from __future__ import annotations
 
-import torch
-
 LOOKUP_MAX_TOKENS = 10
 LOOKUP_MAX_NGRAM = 3
 
@@ -30,10 +28,11 @@ def prompt_lookup(
     return [], 0
 
 
-def lookup_with_keys(history: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
-    """Prompt lookup's proposal and the keys of its acceptance table: (matched n-gram size, slot)."""
+def lookup_with_key(history: list[int], max_tokens: int) -> tuple[list[int], int]:
+    """Prompt lookup's proposal and the key of its first slot in the acceptance table, keyed by (matched n-gram
+    size, slot): slot j's key is that plus j."""
     proposal, ngram = prompt_lookup(history, min(max_tokens, LOOKUP_MAX_TOKENS), LOOKUP_MAX_NGRAM)
-    return proposal, (ngram - 1) * LOOKUP_MAX_TOKENS + torch.arange(len(proposal))
+    return proposal, max(ngram - 1, 0) * LOOKUP_MAX_TOKENS
 
 
-__all__ = ["LOOKUP_MAX_NGRAM", "LOOKUP_MAX_TOKENS", "lookup_with_keys", "prompt_lookup"]
+__all__ = ["LOOKUP_MAX_NGRAM", "LOOKUP_MAX_TOKENS", "lookup_with_key", "prompt_lookup"]

@@ -22,6 +22,7 @@ class AcceptanceTable:
     def __init__(self, prior: Sequence[float], prior_weight: float = 2.0) -> None:
         self.hits = torch.tensor([p * prior_weight for p in prior], dtype=torch.float64)
         self.trials = torch.full((len(prior),), float(prior_weight), dtype=torch.float64)
+        self._runs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __len__(self) -> int:
         return len(self.hits)
@@ -29,8 +30,18 @@ class AcceptanceTable:
     def p(self, keys: torch.Tensor) -> torch.Tensor:
         return (self.hits[keys] / self.trials[keys]).float()
 
+    def run(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, expected tokens) of n proposals keyed start, start + 1, .. (a lookup match, forced text): kept until
+        the table learns something, as a batch asks for them for every row at every step."""
+        run = self._runs.get((start, n))
+        if run is None:
+            keys = torch.arange(start, start + n)
+            run = self._runs[start, n] = (keys, expected_tokens(self.p(keys)))
+        return run
+
     def record(self, tried: torch.Tensor, hits: torch.Tensor) -> None:
         """The proposals with keys `tried` were tested (their parent was accepted), those with keys `hits` accepted."""
+        self._runs.clear()
         self.trials.index_add_(0, tried, torch.ones(len(tried), dtype=torch.float64))
         self.hits.index_add_(0, hits, torch.ones(len(hits), dtype=torch.float64))
 
