@@ -251,8 +251,8 @@ class _ReplayCache:
         return 0
 
     def increase_count(self, layer_idx: int, state_idx: int) -> None:
-        """transformers >= 5.25: a one-token step updated the conv state in place and counts its token; a replay
-        keeps no token count (the live cache's layer keeps it)."""
+        """transformers >= 5.25: a one-token step updated the conv state in place and counts its token. A replay
+        keeps no count; decoding never reads the live layers' counts either: the engine gives the model its positions."""
 
     def update_conv_state(
         self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
