@@ -465,10 +465,11 @@ class BatchedDFlashProposer(BatchProposer):
         # Draft when its expected rate beats this step's free proposals, and always once the skipped steps are over
         # (the rate that made it skip is stale then: a probe measures it again, or lookup would keep it off
         # forever).
-        # The first step of one row and the first of several draft whatever the rates say: their graphs (compiled)
-        # are made there, not in the middle of a later answer (the server's warm-up decodes one row, then two).
+        # The first step and the first of several rows draft whatever the rates say: their graphs (compiled) are
+        # made there, not in the middle of a later answer (the server's warm-up decodes one row, then two). A lone
+        # row after several needs no graph of its own (the several-row graph takes it doubled, compiled_draft.py).
         probe = self.draft_rate is None or self.draft_rate <= plain_rate
-        first_pass = (b > 1) not in self.passes_made
+        first_pass = not self.passes_made or b > 1 and True not in self.passes_made
         draft_now = top > 0 and (
             first_pass or self.skip_left == 0 and (probe or self.draft_rate >= free_rate)
         )

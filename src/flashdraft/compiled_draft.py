@@ -31,15 +31,23 @@ def _once_per_options(draft: Any, store: str, target: Any, make: Any) -> Any:
 
 def _make_block_pass(draft: Any, options: dict[str, Any]) -> Any:
     compiled = compile_whole(draft.block_pass, options, weights=draft)
+    made: set[bool] = set()
 
     def run(x, positions, context_positions, keys, values, num_blocks, context_before_anchor) -> torch.Tensor:
+        lone = _doubled(made, x.shape[0])
+        if lone:  # the context's K/V marked as the cache marks its own (DraftContextCache._tag)
+            x, positions, context_positions = (torch.cat([t, t]) for t in (x, positions, context_positions))
+            keys, values = ([torch.cat([t, t]) for t in store] for store in (keys, values))
+            for t in (*keys, *values):
+                symbolic_sizes(t, 0, 2)  # rows, capacity
         # made this step (the context's K/V and positions are the cache's, marked where DraftContextCache makes them)
         x, positions = fresh(x), fresh(positions)
         for t in (x, positions):
             symbolic_sizes(t, 0)  # rows
         symbolic_sizes(context_positions, 0, 1)  # rows, capacity
         args = (x, positions, context_positions, keys, values, num_blocks, context_before_anchor)
-        return run_compiled(compiled, "the drafter's block pass", *args).clone()
+        out = run_compiled(compiled, "the drafter's block pass", *args)
+        return (out[:1] if lone else out).clone()
 
     return run
 
@@ -58,17 +66,33 @@ def draft_context_pass(draft: Any, target: Any) -> Any:
 
 def _make_context_pass(draft: Any, options: dict[str, Any]) -> Any:
     compiled = compile_whole(draft.context_kv, options, weights=draft)
+    made: set[bool] = set()
 
     def run(features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        width = features.shape[1]
+        rows, width = features.shape[:2]
+        if _doubled(made, rows):
+            features, positions = torch.cat([features, features]), torch.cat([positions, positions])
         features, positions = fresh(at_least_two(features, 1)), fresh(at_least_two(positions, 1))
         symbolic_sizes(features, 0, 1)  # rows, width
         symbolic_sizes(positions, 0, 1)
         kvs = run_compiled(compiled, "the drafter's context projection", features, positions)
         # no copies: CPU only (no replayed graph reuses its outputs), and the cache copies them in at once
-        return [(k[:, :, :width], v[:, :, :width]) for k, v in kvs]
+        return [(k[:rows, :, :width], v[:rows, :, :width]) for k, v in kvs]
 
     return run
+
+
+def _doubled(made: set[bool], rows: int) -> bool:
+    """Whether a pass over `rows` rows goes in doubled: one row where this process has made only the graph of
+    several (dynamo keeps a size of one apart): a batch's last row drafting alone once the others have left. The
+    several-row graph serves it (rows do not depend on each other) instead of a one-row graph compiled in the middle
+    of its answer (3.4-3.7 s a process on a Zen 4 EPYC at 8 int8 rows, benchmarks/README.md 2026-12-03). A process
+    whose first pass is one row (`generate`, the server's warm-up) makes that graph and keeps a lone row's pass
+    at its own size; `made` notes the graphs run."""
+    if rows == 1 and made == {True}:
+        return True
+    made.add(rows > 1)
+    return False
 
 
 def at_least_two(t: torch.Tensor, dim: int) -> torch.Tensor:
