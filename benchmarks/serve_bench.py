@@ -30,6 +30,8 @@ from typing import Any
 import httpx
 
 from flashdraft.bench import ServerBenchConfig, machine_info, parse_prometheus, run_server_bench
+from flashdraft.bench.config import BenchError
+from flashdraft.bench.llamacpp import find_server
 from flashdraft.datasets import load_bench_dataset
 
 START, END = "<!-- flashdraft-serve:start -->", "<!-- flashdraft-serve:end -->"
@@ -41,22 +43,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def flashdraft_command(args: argparse.Namespace, port: int, draft: str | None, tree: str | None) -> list[str]:
+    cmd = [sys.executable, "-m", "flashdraft", "serve", "--target", args.target, "--port", str(port),
+           "--threads", str(args.threads), "--max-batch-size", str(args.max_batch_size), "--max-queue", "256"]  # fmt: skip
+    if draft:
+        cmd += ["--draft", draft]
+    if tree:
+        cmd += ["--tree", tree]
+    return cmd + shlex.split(args.server_args)
+
+
+def llamacpp_command(args: argparse.Namespace, port: int) -> list[str]:
+    """llama.cpp's llama-server on the same weights (a GGUF): one slot per request of the highest level, each slot
+    the context a request needs, the same threads, its own chat template (`--jinja`), no speculation."""
+    slots = max(int(x) for x in args.concurrency.split(","))
+    cmd = [str(find_server(args.llamacpp)), "-m", str(args.llamacpp_model), "--host", "127.0.0.1", "--port", str(port),
+           "--parallel", str(slots), "-c", str(slots * args.llamacpp_slot_context), "-t", str(args.threads),
+           "-tb", str(args.threads), "--jinja", "--no-webui", "--spec-type", "none"]  # fmt: skip
+    return cmd + shlex.split(args.llamacpp_args)
+
+
 class Server:
-    """`flashdraft serve` in a child process, up until `stop()` (SIGTERM: it drains, then exits)."""
+    """A server in a child process (`flashdraft serve`, or llama-server), up until `stop()` (SIGTERM)."""
 
     def __init__(
-        self, args: argparse.Namespace, draft: str | None, log: Path, tree: str | None = None
+        self,
+        args: argparse.Namespace,
+        draft: str | None,
+        log: Path,
+        tree: str | None = None,
+        llamacpp: bool = False,
     ) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "flashdraft", "serve", "--target", args.target, "--port", str(self.port),
-               "--threads", str(args.threads), "--max-batch-size", str(args.max_batch_size), "--max-queue", "256"]  # fmt: skip
-        if draft:
-            cmd += ["--draft", draft]
-        if tree:
-            cmd += ["--tree", tree]
-        cmd += shlex.split(args.server_args)
-        self.command = " ".join(cmd[2:])
+        if llamacpp:
+            cmd = llamacpp_command(args, self.port)
+            self.command = " ".join(cmd)
+        else:
+            cmd = flashdraft_command(args, self.port, draft, tree)
+            self.command = " ".join(cmd[2:])
         self.log = log.open("w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + args.start_timeout
@@ -153,14 +178,20 @@ def render(results: dict[str, Any], out_rel: str) -> str:
              "| server | concurrency | ok | output tok/s | TTFT p50 / p90 ms | TPOT p50 / p90 ms | latency p50 / p99 s "
              "| τ (/metrics) |", "|---|---|---|---|---|---|---|---|",
              *level_rows("plain", plain), *level_rows("dflash", dflash),
-             *(level_rows("dflash --tree", results["tree"]) if "tree" in results else []), ""]  # fmt: skip
-    for name, label in (("dflash", "DFlash"), ("tree", "DFlash with draft trees")):
-        if name not in results:
+             *(level_rows("dflash --tree", results["tree"]) if "tree" in results else []),
+             *(level_rows("llama.cpp", results["llamacpp"]) if "llamacpp" in results else []), ""]  # fmt: skip
+    pairs = [("dflash", "plain", "DFlash over plain"), ("tree", "plain", "DFlash with draft trees over plain")]
+    pairs += [(n, "llamacpp", f"{label} over llama.cpp's llama-server")
+              for n, label in (("plain", "plain"), ("dflash", "DFlash"), ("tree", "DFlash with draft trees"))]  # fmt: skip
+    for name, base, label in pairs:
+        if name not in results or base not in results:
             continue
         ratios = []
-        for a, b in zip(plain["levels"], results[name]["levels"], strict=True):
+        for a, b in zip(results[base]["levels"], results[name]["levels"], strict=True):
             ratios.append(f"{a['concurrency']}: {b['output_tokens_per_s'] / a['output_tokens_per_s']:.2f}x")
-        lines += [f"{label} over plain, output tokens/s by concurrency: {', '.join(ratios)}.", ""]
+        lines += [f"{label}, output tokens/s by concurrency: {', '.join(ratios)}.", ""]
+    if "llamacpp" in results:
+        lines += [f"llama.cpp: `{results['llamacpp']['server_command']}`.", ""]
     sk = results.get("soak")
     if sk is None:
         return "\n".join([*lines, f"Raw numbers: [{out_rel}/serving.json]({out_rel}/serving.json).", "", END])
@@ -222,7 +253,20 @@ def main() -> None:
     ap.add_argument(
         "--tree", default=None, help="also serve the drafter with --tree (draft trees), e.g. auto"
     )
+    ap.add_argument(
+        "--llamacpp", default=None, help="also serve with llama.cpp: its llama-server (a file or its directory)"
+    )
+    ap.add_argument("--llamacpp-model", default=None, help="the target's weights as a GGUF, for --llamacpp")
+    ap.add_argument("--llamacpp-args", default="", help="more llama-server options, e.g. '--no-repack'")
+    ap.add_argument("--llamacpp-slot-context", type=int, default=2048, help="llama-server context per slot")
     args = ap.parse_args()
+    if args.llamacpp is not None:
+        try:
+            find_server(args.llamacpp)
+        except BenchError as e:
+            ap.error(str(e))
+        if not args.llamacpp_model or not Path(args.llamacpp_model).is_file():
+            ap.error(f"--llamacpp needs --llamacpp-model FILE, the target as a GGUF (got {args.llamacpp_model!r})")
     args.out.mkdir(parents=True, exist_ok=True)
     levels = [int(x) for x in args.concurrency.split(",")]
     results: dict[str, Any] = {
@@ -236,8 +280,10 @@ def main() -> None:
     servers = [("plain", None, None), ("dflash", args.draft, None)]
     if args.tree:
         servers.append(("tree", args.draft, args.tree))
+    if args.llamacpp:
+        servers.append(("llamacpp", None, None))
     for name, draft, tree in servers:
-        server = Server(args, draft, args.out / f"server-{name}.log", tree)
+        server = Server(args, draft, args.out / f"server-{name}.log", tree, llamacpp=name == "llamacpp")
         try:
             cfg = ServerBenchConfig(base_url=server.base, datasets=[args.dataset], concurrency=levels,
                                     max_samples=args.max_samples, max_new_tokens=args.max_new_tokens,

@@ -50,6 +50,11 @@ PROBE_SHARE = 0.1
 LAZY_HEAD_PRICE = 2.0
 # Draft trees: candidates kept per block slot (the drafter's own draft and the slot's next most likely tokens).
 TREE_WIDTH = 4
+# The cost-aware policy drafts trees for batches of at most this many rows (`_trees_for`). At several rows a tree's
+# costs are not in its prices (the head over every slot and its top-k over the vocabulary, the trees grown per row,
+# the verify's ancestor mask for the whole batch), and they lost: served at 8 requests at once, trees 0.88x plain
+# decoding where chains were 1.08x (int8, compiled, a 2-core Zen 4 EPYC, 2026-12-03).
+TREE_POLICY_ROWS = 1
 
 
 class BatchedDFlashProposer(BatchProposer):
@@ -74,7 +79,8 @@ class BatchedDFlashProposer(BatchProposer):
     the policy's E(n) is then the expected tokens of the tree of the n best nodes, so one choice of n picks the
     tree, a chain (the tree when the drafter is sure) or a plain step. Rows a tree cannot serve exactly verify
     chains: a target with recurrent layers or of a family trees are not verified on (the whole batch), a
-    sliding-window one past its window, rows with a grammar, rows whose drafts are sampled (p/q).
+    sliding-window one past its window, rows with a grammar, rows whose drafts are sampled (p/q), and under the
+    policy a batch of several rows (TREE_POLICY_ROWS: there trees lost to chains).
 
     The drafter's context cache is batched too: rows are padded to a common length with PAD_POSITION, which the
     drafter's mask rule (context before the anchor) never shows to a block.
@@ -270,12 +276,11 @@ class BatchedDFlashProposer(BatchProposer):
         # the drafter's logits over the vocabulary only where something reads more than the greedy drafts (a tree
         # reads each slot's few most likely tokens: the compiled head reduces them itself)
         read_logits = self.sampled_drafts or any(r.grammar is not None for r in rows)
-        top = TREE_WIDTH if self.tree is not None else 0
+        top = TREE_WIDTH if self._trees_for(b) else 0
         logits, tokens, confidence, *candidates = self._slot_drafts(
             hidden[:, 1 : 1 + slots], anchors, read_logits, top
         )
-        if top:
-            self._candidates = slot_candidates(*candidates, tokens, confidence)
+        self._candidates = slot_candidates(*candidates, tokens, confidence) if top else None
         if self.draft.candidate_selector is None:  # constrained greedy rows: drafts the grammar allows
             for i, row in enumerate(rows):
                 if row.grammar is not None and (row.sampling.greedy or not self.sampled_drafts):
@@ -338,7 +343,7 @@ class BatchedDFlashProposer(BatchProposer):
         steps, so the policy rarely takes them; the first slots are those whose verify costs at most
         `LAZY_HEAD_PRICE` plain steps. Only where the slots are independent argmaxes and serve a chain: a v1
         drafter, no draft trees, no grammar (its steering reads every slot), no sampled (p/q) drafts."""
-        if self.costs is None or self.tree is not None or self.draft.candidate_selector is not None:
+        if self.costs is None or self._trees_for(len(rows)) or self.draft.candidate_selector is not None:
             return None
         if any(r.grammar is not None or (self.sampled_drafts and not r.sampling.greedy) for r in rows):
             return None
@@ -358,10 +363,18 @@ class BatchedDFlashProposer(BatchProposer):
         tree = self._trees[index]
         return None if tree is None else tree.parents
 
+    def _trees_for(self, rows: int) -> bool:
+        """Whether a draft pass of `rows` rows gives trees: always with a fixed block; under the cost-aware policy
+        for at most TREE_POLICY_ROWS rows, and a lone row after only passes of several keeps chains (its tree head
+        would be a graph compiled mid-answer; the several-row graphs serve its chain, compiled_draft.py)."""
+        if self.tree is None or self.costs is None:
+            return self.tree is not None
+        return rows <= TREE_POLICY_ROWS and (rows > 1 or not self.passes_made or False in self.passes_made)
+
     def _tree_for(self, index: int, row: BatchRow, depth: int, budget: int) -> DraftTree | None:
         """Row `index`'s best-first tree of at most `budget` nodes, `depth` deep, from the last draft pass (None
-        where a tree cannot serve it exactly: its verify then takes a chain)."""
-        if self.tree is None or depth < 1 or row.grammar is not None:
+        where a tree cannot serve it exactly, or the pass gave no candidates: its verify then takes a chain)."""
+        if self._candidates is None or depth < 1 or row.grammar is not None:
             return None
         if self.sampled_drafts and not row.sampling.greedy:
             return None
