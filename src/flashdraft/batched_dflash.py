@@ -367,8 +367,10 @@ class BatchedDFlashProposer(BatchProposer):
         """Whether a draft pass of `rows` rows gives trees: always with a fixed block; under the cost-aware policy
         for at most TREE_POLICY_ROWS rows, and a lone row after only passes of several keeps chains (its tree head
         would be a graph compiled mid-answer; the several-row graphs serve its chain, compiled_draft.py)."""
-        if self.tree is None or self.costs is None:
-            return self.tree is not None
+        if self.tree is None:
+            return False
+        if self.costs is None:
+            return True
         return rows <= TREE_POLICY_ROWS and (rows > 1 or not self.passes_made or False in self.passes_made)
 
     def _tree_for(self, index: int, row: BatchRow, depth: int, budget: int) -> DraftTree | None:

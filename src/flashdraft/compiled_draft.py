@@ -36,8 +36,8 @@ def _make_block_pass(draft: Any, options: dict[str, Any]) -> Any:
     def run(x, positions, context_positions, keys, values, num_blocks, context_before_anchor) -> torch.Tensor:
         lone = _doubled(made, x.shape[0])
         if lone:  # the context's K/V marked as the cache marks its own (DraftContextCache._tag)
-            x, positions, context_positions = (torch.cat([t, t]) for t in (x, positions, context_positions))
-            keys, values = ([torch.cat([t, t]) for t in store] for store in (keys, values))
+            x, positions, context_positions = (at_least_two(t, 0) for t in (x, positions, context_positions))
+            keys, values = ([at_least_two(t, 0) for t in store] for store in (keys, values))
             for t in (*keys, *values):
                 symbolic_sizes(t, 0, 2)  # rows, capacity
         # made this step (the context's K/V and positions are the cache's, marked where DraftContextCache makes them)
@@ -71,7 +71,7 @@ def _make_context_pass(draft: Any, options: dict[str, Any]) -> Any:
     def run(features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         rows, width = features.shape[:2]
         if _doubled(made, rows):
-            features, positions = torch.cat([features, features]), torch.cat([positions, positions])
+            features, positions = at_least_two(features, 0), at_least_two(positions, 0)
         features, positions = fresh(at_least_two(features, 1)), fresh(at_least_two(positions, 1))
         symbolic_sizes(features, 0, 1)  # rows, width
         symbolic_sizes(positions, 0, 1)
