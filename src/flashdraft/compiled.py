@@ -36,7 +36,6 @@ torch.compile's keywords) replaces the options on either device.
 
 from __future__ import annotations
 
-import inspect
 import threading
 import warnings
 from collections.abc import Sequence
@@ -435,10 +434,6 @@ class VerifyForward:
         self.target = target
         self.taps = tuple(tap_layer_ids)
         self.compiled = compile_options is not None
-        # transformers 4.x models take `cache_position`; without it they count the cache's length themselves
-        # (`get_seq_length()`, a Python int), which dynamo guards on: a graph per length until it makes the length
-        # dynamic, compiled in the middle of an answer (a lone row after a batch: 3 graphs more on 4.57)
-        self._takes_cache_position = "cache_position" in inspect.signature(target.model.forward).parameters
         # The grad modes (inference mode or not) the engine made its graphs for before a first step
         # (engine._compile_ahead): dynamo guards on whether a tensor was made in inference mode.
         self.compiled_ahead: set[tuple[bool, bool]] = set()  # (inference mode, several rows)
@@ -461,8 +456,11 @@ class VerifyForward:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         t = self.target
         kwargs = t.model_kwargs(cache, mask, position_ids)
-        if self._takes_cache_position:
-            kwargs["cache_position"] = kv_layers(cache)[0].static.columns  # the columns this verify writes
+        if t.takes_cache_position:
+            # the columns this verify writes: without them a transformers 4.x model counts the cache's length
+            # itself (`get_seq_length()`, a Python int), which dynamo guards on: a graph per length until it makes
+            # the length dynamic, compiled in the middle of an answer (a lone row after a batch: 3 graphs on 4.57)
+            kwargs["cache_position"] = kv_layers(cache)[0].static.columns
         logits = t.model(input_ids=input_ids, **kwargs).logits.float()
         taps = t._concat_taps(self._captured, self.taps) if self.taps else None
         return logits, taps

@@ -82,6 +82,7 @@ class Target:
             self._embed_scale = self.hidden_size**0.5
         params = inspect.signature(model.forward).parameters
         self._takes_positions = "position_ids" in params  # recurrent-only models (Mamba2) have no positions
+        self.takes_cache_position = "cache_position" in params  # transformers 4.x: compiled.VerifyForward
         # The cache argument: `cache` from transformers 5.24 on (every model; the old names are deprecated there, and
         # Mamba2 ignores `past_key_values`), `cache_params` for older recurrent-only models, else `past_key_values`.
         self._cache_arg = next((a for a in ("cache", "cache_params") if a in params), None)
