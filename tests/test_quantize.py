@@ -169,6 +169,55 @@ def test_only_a_prompt_s_prefill_takes_int8_layers_through_a_bf16_gemm(monkeypat
     )  # wide verifies: int8 kernel
 
 
+def test_a_prompt_s_int8_layers_keep_their_bf16_weight_within_the_model_s_room(monkeypatch):
+    """`quantize` gives a bf16 model's int8 layers, in order, room to keep the bf16 weight a prompt runs on, up to
+    PREFILL_WEIGHT_BYTES; a layer with room makes it at its first prefill (not at a decode step), reuses it, and gives
+    a prompt's rows the product of that weight; a layer without room converts per call as before. A copy, or a
+    layer over some output rows (a drafter's vocabulary), makes its own. Prefills and DFlash stay exact."""
+    model = tiny_model("llama", seed=5).to(torch.bfloat16)
+    sizes = [2 * m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)]
+    room = sum(sizes[:3]) + 1  # the first three layers fit, the fourth does not
+    monkeypatch.setattr(quantize_module, "PREFILL_WEIGHT_BYTES", room)
+    quantize(model, "int8")
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    kept = [m.keeps_prefill_weight for m in layers]
+    assert kept[:3] == [True] * 3 and not kept[3]
+    assert sum(s for s, k in zip(sizes, kept, strict=True) if k) <= room
+    assert all(m._prefill_weight is None for m in layers)
+
+    target = Target(model)
+    ids = torch.randint(3, VOCAB, (1, PREFILL_GEMM_ROWS + 5), generator=torch.Generator().manual_seed(6))
+    plain = generate_ar(target, ids, 12)  # its prefill, then one-token steps
+    made = [m._prefill_weight for m in layers]
+    assert all((w is not None) == k for w, k in zip(made, kept, strict=True))
+    again = generate_ar(target, ids, 12)
+    assert again.new_tokens == plain.new_tokens
+    assert all(m._prefill_weight is w for m, w in zip(layers, made, strict=True))  # made once
+
+    layer = layers[0]
+    x = torch.randn(PREFILL_GEMM_ROWS, layer.in_features, dtype=torch.bfloat16)
+    weight = layer.weight_int8.to(torch.bfloat16)
+    if made[0].is_mkldnn:  # the scales in the GEMM's epilogue
+        product = torch.ops.mkldnn._linear_pointwise.binary(x, layer.scales[None], made[0], None, "mul")
+    else:
+        product = F.linear(x, weight) * layer.scales
+    with prefill():
+        wide = layer(x)
+    assert torch.equal(wide, product + (0 if layer.bias is None else layer.bias))
+    exact = (x.double() @ weight.double().T) * layer.scales.double()
+    torch.testing.assert_close(product.double(), exact, rtol=1e-2, atol=1e-2)
+    part = layer.select_rows(torch.tensor([0, 2, 5]))
+    assert part._prefill_weight is None and layer._prefill_weight is made[0]
+    with prefill():
+        assert torch.equal(part(x), wide[:, [0, 2, 5]])
+
+    draft = DFlashDraftModel.for_target(
+        model.config, num_layers=1, block_size=6, mask_token_id=VOCAB - 1, seed=3
+    )
+    got = generate(target, draft.to(torch.bfloat16), ids, 12, block_size=6)
+    assert got.new_tokens == plain.new_tokens
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5"])
 def test_dflash_on_a_quantized_target_is_plain_decoding_of_it(arch, scheme):
