@@ -17,7 +17,15 @@ from flashdraft.compiled_draft import draft_block_pass
 from flashdraft.costs import CostModel
 from flashdraft.engine import BatchDecoder
 from flashdraft.generate import generate, generate_batch, run
-from flashdraft.kv_cache import CAPACITY_STEP, MASK_STEP, VERIFY_BUCKETS, kv_layers, static_mask
+from flashdraft.kv_cache import (
+    CAPACITY_STEP,
+    MASK_STEP,
+    VERIFY_BUCKETS,
+    StaticColumns,
+    kv_buffer_class,
+    kv_layers,
+    static_mask,
+)
 from flashdraft.measure import cost_key, measure_costs
 from flashdraft.proposers import PerRowProposers
 from flashdraft.sampling import SamplingParams
@@ -123,6 +131,44 @@ def test_one_row_keeps_its_buffers_and_moves_a_length(models):
             assert layer.get_seq_length() == len(prompt) + len(row.tokens) - 1  # the anchor is not cached yet
     assert layer.static.capacity == capacity
     assert row.tokens == reference
+
+
+def test_static_rows_join_right_aligned_and_leave_with_their_columns_no_stale_value_unwritten():
+    """A static layer's rows join (`add_static_row`) right-aligned, the rows already there moved right when the new
+    one holds more columns, every other column of the new buffer zero (never uninitialised memory, which the mask
+    would multiply by 0 but a NaN would spoil); rows leave (`keep_static_rows`) with the columns some row still
+    uses moved to the front in order, in a buffer of the same capacity."""
+    buffer_class = kv_buffer_class()
+    layer = buffer_class()
+    first = torch.randn(1, 2, 5, 4)
+    layer.update(first, first + 1)
+    static = StaticColumns(16)
+    layer.make_static(static)
+    layer._k[:, :, 5:] = 7.0  # stale columns: finite values a verify left, hidden by the mask
+    longer = torch.randn(1, 2, 8, 4)
+    layer.add_static_row(longer, longer + 1, 8)  # 8 columns: the first row moves 3 to the right
+    expected = torch.zeros(2, 2, 16, 4)
+    expected[0, :, 3:8], expected[1, :, :8] = first[0], longer[0]
+    values = torch.zeros(2, 2, 16, 4)
+    values[0, :, 3:8], values[1, :, :8] = first[0] + 1, longer[0] + 1
+    assert torch.equal(layer._k, expected) and torch.equal(layer._v, values)
+    assert layer.get_seq_length() == 8 and layer._k.shape[2] == static.capacity
+    layer._k[:, :, 8:] = 7.0
+    shorter = torch.randn(1, 2, 3, 4)
+    layer.add_static_row(shorter, shorter + 1, 8)  # 3 columns: right-aligned, the rows here stay
+    assert torch.equal(layer._k[:2], torch.cat([expected[:, :, :8], torch.full((2, 2, 8, 4), 7.0)], 2))
+    assert torch.equal(layer._k[2], torch.cat([torch.zeros(2, 5, 4), shorter[0], torch.zeros(2, 8, 4)], 1))
+
+    before, before_values = layer._k.clone(), layer._v.clone()
+    layer.keep_static_rows(torch.tensor([2, 0]), torch.tensor([3, 6, 7]))
+    assert layer._k.shape == (2, 2, 16, 4) and layer.get_seq_length() == 3
+    assert torch.equal(layer.keys, before[[2, 0]][:, :, [3, 6, 7]])
+    assert torch.equal(layer.values, before_values[[2, 0]][:, :, [3, 6, 7]])
+    layer.keep_static_rows(torch.tensor([1]), None)  # every column kept: a length unchanged
+    assert (
+        torch.equal(layer._k, before[[0]][:, :, [3, 6, 7] + list(range(3, 16))])
+        and layer.get_seq_length() == 3
+    )
 
 
 def test_static_mask_sees_valid_columns_and_the_block_causally():

@@ -279,6 +279,9 @@ class BatchDecoder:
                 append_rows(big, small)
             if not has_kv(big):
                 continue
+            if self.static:
+                big.add_static_row(small.keys, small.values, total)
+                continue
             for name in ("keys", "values"):
                 a, s = getattr(big, name), getattr(small, name)
                 merged = a.new_zeros(a.shape[0] + 1, a.shape[1], total, a.shape[3])
@@ -324,6 +327,9 @@ class BatchDecoder:
             if is_recurrent_layer(layer):
                 select_rows(layer, idx)
             if not has_kv(layer):
+                continue
+            if self.static:
+                layer.keep_static_rows(idx, cols)
                 continue
             for name in ("keys", "values"):
                 t = getattr(layer, name)[idx]

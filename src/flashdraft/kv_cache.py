@@ -99,7 +99,10 @@ def symbolic_sizes(t: torch.Tensor | None, *dims: int) -> None:
 
 
 def _static_buffer(like: torch.Tensor, capacity: int, mark_static: bool) -> torch.Tensor:
-    buf = like.new_zeros(like.shape[0], like.shape[1], capacity, like.shape[3])
+    return _tagged(like.new_zeros(like.shape[0], like.shape[1], capacity, like.shape[3]), mark_static)
+
+
+def _tagged(buf: torch.Tensor, mark_static: bool) -> torch.Tensor:
     if mark_static:  # compiled: symbolic rows and capacity, and a fixed address for CUDA graphs
         fixed_address(buf)
         symbolic_sizes(buf, 0, 2)
@@ -175,6 +178,36 @@ def kv_buffer_class() -> type:
             """`max_length` < 0: remove that many columns (4.57 and 5.x); >= 0: keep that many (4.57)."""
             keep = self._len - abs(max_length) if max_length < 0 else max_length
             self._len = self._vlen = max(0, min(self._len, keep))
+
+        def add_static_row(self, keys: torch.Tensor, values: torch.Tensor, width: int) -> None:
+            """Static: a row joins with its prefill's keys and values [1, heads, n, dim], right-aligned in `width`
+            columns (the rows here move right if they hold fewer); one new buffer written once, its other columns
+            zero. (Through `keys =`, a joined copy would be made and then copied into a zeroed buffer.)"""
+            for name, length, new in (("_k", "_len", keys), ("_v", "_vlen", values)):
+                old, used, n = getattr(self, name), getattr(self, length), new.shape[2]
+                rows = old.shape[0]
+                buf = old.new_empty(rows + 1, *old.shape[1:])
+                if used == width:
+                    buf[:rows] = old  # its stale columns too: finite values the mask hides
+                else:
+                    buf[:rows, :, : width - used].zero_()
+                    buf[:rows, :, width - used : width] = old[:, :, :used]
+                    buf[:rows, :, width:].zero_()
+                buf[rows, :, : width - n].zero_()
+                buf[rows, :, width - n : width] = new[0]
+                buf[rows, :, width:].zero_()
+                setattr(self, name, _tagged(buf, self.static.mark_static))
+                setattr(self, length, width)
+
+        def keep_static_rows(self, rows: torch.Tensor, columns: torch.Tensor | None) -> None:
+            """Static: only `rows` stay, and of the columns in use only `columns` (None: all), moved to the front in
+            order; one copy of the buffer, its stale columns too (finite values the mask hides)."""
+            for name, length in (("_k", "_len"), ("_v", "_vlen")):
+                kept = getattr(self, name).index_select(0, rows)
+                if columns is not None:
+                    kept[:, :, : columns.numel()] = kept[:, :, columns]
+                    setattr(self, length, columns.numel())
+                setattr(self, name, _tagged(kept, self.static.mark_static))
 
         def make_static(self, static: StaticColumns) -> None:
             """Static mode (or a larger capacity): the columns in use move into buffers of `static.capacity`."""
