@@ -50,12 +50,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import packed_linear
+
 QUANTIZE_SCHEMES = ("int8", "w8a8", "fp16")
 # A prompt's prefill takes an int8 layer through a bf16 GEMM from this many rows (`prefill`): on a 2-core Zen 4 EPYC
 # a 1536 x 576 layer at 16 / 150 rows took 197 / 1809 us through ATen's int8 kernel, 195 / 735 dequantized.
 PREFILL_GEMM_ROWS = 32
 # Bytes of bf16 weights a model's int8 layers may keep for prompts (`Int8Linear.keeps_prefill_weight`): all of a
-# model up to ~500 M parameters, the first layers of a bigger one; past it they convert per call.
+# model up to ~500 M parameters, of a bigger one the layers that fit, in order; the others convert per call.
 PREFILL_WEIGHT_BYTES = 1 << 30
 FP16_PROBE_ROWS = 1024  # row counts up to this are padded to one that rounds as a one-row call does
 
@@ -242,13 +244,8 @@ _PREFILL: ContextVar[bool] = ContextVar("flashdraft_int8_prefill", default=False
 def _pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     """A bf16 weight in oneDNN's blocked layout (what inductor's frozen CPU graphs hold) where oneDNN runs bf16
     here, else as it is."""
-    mkldnn = torch.ops.mkldnn
-    if (
-        torch.backends.mkldnn.is_available()
-        and hasattr(mkldnn, "_reorder_linear_weight")
-        and mkldnn._is_mkldnn_bf16_supported()
-    ):
-        return mkldnn._reorder_linear_weight(weight, None)
+    if packed_linear.available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
     return weight
 
 
