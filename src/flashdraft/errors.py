@@ -13,7 +13,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean bad input (or a missing resource): shown as one line, never as a traceback."""
     from .bench import BenchError
     from .config import DFlashConfigError
-    from .data import DataError
+    from .data_layout import DataError
     from .datasets import DatasetError
     from .draft_vocab import DraftVocabError
     from .drafter_files import DFlashCheckpointError

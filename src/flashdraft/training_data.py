@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .data import (
+from .data_layout import (
     FEATURES_FORMAT,
     FEATURES_GLOB,
     FEATURES_INDEX,

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import typer
 
-from ..data import MANIFEST, DataError, load_prompts, regenerate
+from ..data import DataError, load_prompts, regenerate
+from ..data_layout import MANIFEST
 from ..files import atomic_write_text
 from ..target import DTYPES
 from ..training_data import compute_features
