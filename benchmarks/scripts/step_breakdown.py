@@ -24,7 +24,7 @@ time_methods([
     (E.BatchDecoder, ["step", "forward_block", "_block", "_compact"]),
     (B.BatchedDFlashProposer, ["propose", "draft_rows", "draft_more_slots", "_first_slots", "_choices", "_batch_rate",
                                "timed", "observe", "accept", "_compact"]),
-    (M.DFlashDraftModel, ["forward", "propose_tokens", "_attention_masks"]),
+    (M.DFlashDraftModel, ["forward"]),  # not _attention_masks: the compiled block pass traces it
     (K.DraftContextCache, ["append"]),
 ])
 E.verify_greedy_rows = timed("verify_greedy_rows", E.verify_greedy_rows)
