@@ -41,7 +41,7 @@ test-compat:
 	$(COMPAT_VENV)/bin/python -m pip install --progress-bar off -e ".[test,all]"
 	$(COMPAT_VENV)/bin/python -m pytest -q $(PYTEST_PAR) -p no:cacheprovider tests/test_model.py tests/test_generate.py \
 		tests/test_train.py tests/test_batch.py tests/test_static_cache.py tests/test_attention.py tests/test_tree.py \
-		tests/test_cpu_attention.py \
+		tests/test_cpu_attention.py tests/test_frozen_graphs.py \
 		-k "not ddp and not short_cpu and not hybrid"
 
 # Conformance with z-lab's reference package (PyPI dflash==0.1.0, at the transformers it pins), kept out of the
