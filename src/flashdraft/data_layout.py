@@ -118,6 +118,7 @@ def open_manifest(
 
 
 def target_info(target: Any) -> dict[str, Any]:
+    """The target's shape as a manifest records it (offline features are refused from another target's data)."""
     return {
         "model_type": getattr(target.config, "model_type", None),
         "num_layers": target.num_layers,
@@ -127,6 +128,7 @@ def target_info(target: Any) -> dict[str, Any]:
 
 
 def sum_counts(headers: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """A manifest's running counts, summed over its shards' headers (the only record of what is done)."""
     counts: dict[str, Any] = {
         "prompts": 0,
         "sequences": 0,
