@@ -71,7 +71,7 @@ CASES = [
     ({"--draft": "DRAFT_FILE"}, "is a file"),
     ({"--draft": "/no/such/drafter"}, "does not exist"),
     ({"--draft": "WRONG"}, "hidden size 128"),
-    ({"--quantize": "int4"}, "--quantize must be one of int8, w8a8, fp16, got 'int4'"),
+    ({"--quantize": "int4"}, "--quantize must be one of int8, w8a8, w8a16, fp16, got 'int4'"),
     # the device given: on a machine with a GPU the default device is the GPU, where int8 is refused first
     (
         {"--quantize": "int8", "--dtype": "float16", "--device": "cpu"},

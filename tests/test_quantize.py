@@ -238,7 +238,7 @@ def test_what_int8_cannot_run_is_refused():
     check_quantize(None, torch.float32, cpu)
     check_quantize("int8", None, cpu)
     check_quantize("int8", torch.bfloat16, cpu)
-    with pytest.raises(QuantizeError, match="must be one of int8, w8a8, fp16, got 'int4'"):
+    with pytest.raises(QuantizeError, match="must be one of int8, w8a8, w8a16, fp16, got 'int4'"):
         check_quantize("int4", None, cpu)
     check_quantize("int8", torch.float32, cpu)  # fp32 activations: the compiled path's int8
     # int8 runs bf16 activations, and fp32 ones compiled where the CPU has no bf16 instructions

@@ -199,6 +199,7 @@ def compile_whole(fn: Any, compile_options: dict[str, Any], weights: Any = None)
     _register_one_gemm_choice()
     register_cpu_gemm_kernels()
     _register_int8_concat_linear()
+    _register_w8a16_concat_linear()
     _no_onednn_prepack()
     unrecorded = _unrecorded_cache_artifacts()
     compiler_config = torch.compiler.config
@@ -240,14 +241,21 @@ def _unrecorded_cache_artifacts() -> Any:
 
 
 def kernels_tag() -> str:
-    """A hash of this file, compiled_draft.py, cpu_gemm.py, attention.py and cpu_attention.py: the kernels chosen or
-    written there (GEMM choices, register blocks, micro-kernels, the attention, the drafter's graphs), which the
-    graphs frozen in inductor's cache and the cost model's prices depend on."""
+    """A hash of this file, compiled_draft.py, cpu_gemm.py, attention.py, cpu_attention.py and cpu_w8a16.py: the
+    kernels chosen or written there (GEMM choices, register blocks, micro-kernels, the attention, w8a16's operator,
+    the drafter's graphs), which the graphs frozen in inductor's cache and the cost model's prices depend on."""
     import hashlib
     from pathlib import Path
 
     digest = hashlib.sha256()
-    for name in ("compiled.py", "compiled_draft.py", "cpu_gemm.py", "attention.py", "cpu_attention.py"):
+    for name in (
+        "compiled.py",
+        "compiled_draft.py",
+        "cpu_gemm.py",
+        "attention.py",
+        "cpu_attention.py",
+        "cpu_w8a16.py",
+    ):
         digest.update((Path(__file__).parent / name).read_bytes())
     digest.update(repr(sorted(getattr(register_cpu_gemm_kernels, "without", ()))).encode())  # a benchmark's
     digest.update(repr(bf16_rows_kernel()).encode())  # AMX or the pair kernel (`cpu_gemm.serving_bf16_rows`)
@@ -370,6 +378,73 @@ def _register_int8_concat_linear() -> None:
             fwd_only,
             pass_patterns[0],
             extra_check=functools.partial(frozen, names=names),
+            exclusive_arg_names=names,
+        )
+
+
+def _register_w8a16_concat_linear() -> None:
+    """Once per process, before any frozen graph: `--quantize w8a16` layers that read the same rows (q / k / v, gate
+    / up) as one call of cpu_w8a16.py's kernel over their packed weights concatenated (folded once at freezing),
+    its output split: the kernel's calls are opaque to inductor, each one from its graph's wrapper, and SmolLM2-135M
+    makes 121 a step instead of 211. Each output is its row's exact integer sum, whatever the width. Only where every
+    layer but the last fills whole tiles of 16 outputs (the packed weights then line up), and without biases.
+    Registered once the kernel is built (a w8a16 layer builds it): tracing the patterns runs the operator."""
+    from . import cpu_w8a16
+
+    if getattr(_register_w8a16_concat_linear, "done", False) or cpu_w8a16.kernels() is None:
+        return
+    _register_w8a16_concat_linear.done = True
+    try:
+        import functools
+
+        import torch._inductor.lowering  # noqa: F401 - inductor's modules import in this order
+        from torch._inductor.fx_passes.freezing_patterns import pass_patterns
+        from torch._inductor.pattern_matcher import fwd_only, register_replacement
+    except (ImportError, AttributeError):  # another torch: one call per linear, as before
+        return
+    op = torch.ops.flashdraft.w8a16_linear.default
+
+    def tiles(match: Any, names: tuple[str, ...]) -> bool:
+        """The packed weights, scales and column sums the graph's constants, every layer but the last a whole
+        number of tiles wide."""
+        scales = [match.kwargs[name] for name in names if name.startswith("s")]
+        widths = [node.meta["val"].shape[0] for node in scales if "val" in node.meta]
+        return (
+            all(match.kwargs[name].op == "get_attr" for name in names)
+            and len(widths) == len(scales)
+            and all(width % cpu_w8a16.TILE_COLUMNS == 0 for width in widths[:-1])
+        )
+
+    def three(x, p1, p2, p3, s1, s2, s3, c1, c2, c3):
+        return op(x, p1, s1, c1, None), op(x, p2, s2, c2, None), op(x, p3, s3, c3, None)
+
+    def three_as_one(x, p1, p2, p3, s1, s2, s3, c1, c2, c3):
+        out = op(x, torch.cat((p1, p2, p3)), torch.cat((s1, s2, s3)), torch.cat((c1, c2, c3)), None)
+        return out.split([s1.size(0), s2.size(0), s3.size(0)], dim=1)
+
+    def two(x, p1, p2, s1, s2, c1, c2):
+        return op(x, p1, s1, c1, None), op(x, p2, s2, c2, None)
+
+    def two_as_one(x, p1, p2, s1, s2, c1, c2):
+        out = op(x, torch.cat((p1, p2)), torch.cat((s1, s2)), torch.cat((c1, c2)), None)
+        return out.split([s1.size(0), s2.size(0)], dim=1)
+
+    rows = functools.partial(torch.empty, (8, 64))
+    packed = functools.partial(torch.empty, (1, 1, 16, 16, 4), dtype=torch.int8)
+    scale = functools.partial(torch.empty, (16,))
+    colsum = functools.partial(torch.empty, (16,), dtype=torch.int32)
+    for pattern, replacement, k in ((three, three_as_one, 3), (two, two_as_one, 2)):
+        names = tuple(f"{kind}{i}" for kind in "psc" for i in range(1, k + 1))
+        register_replacement(
+            pattern,
+            replacement,
+            [rows()]
+            + [packed() for _ in range(k)]
+            + [scale() for _ in range(k)]
+            + [colsum() for _ in range(k)],
+            fwd_only,
+            pass_patterns[0],
+            extra_check=functools.partial(tiles, names=names),
             exclusive_arg_names=names,
         )
 

@@ -19,6 +19,15 @@ kernel runs it. The model is a little less accurate than int8 weight-only: SmolL
 1.906 against 1.877 (fp32 1.875; benchmarks/scripts/quantization_quality.py); llama.cpp's Q8_0 also quantizes
 activations, in blocks of 32.
 
+w8a16: every `nn.Linear` becomes a `W8A16Linear`: the int8 weights of `W8A8Linear` (fp32 scales), and each row
+held as 16-bit integers (its absmax / 32639), split in two int8 halves and multiplied in integers by cpu_w8a16.py's
+kernel (avx512_vnni's `vpdpbusd` for a few rows, AMX's tiles for more): the weights read as stored, nothing widened,
+so a one-token step is bound by their bytes (SmolLM2-135M's decoder linears at one row: 3.1 ms against 6.0 for
+int8's compiled GEMMs on a 2-core Emerald Rapids Xeon), and sixteen bits per row keep the model as close to fp32 as
+int8 weight-only does (benchmarks/README.md, 2026-12-05). Integer sums are exact, so a verify is batch-invariant by
+construction, eager or compiled (the op is opaque to inductor, called from its graphs). A prompt's rows take int8's
+bf16 GEMM (`prefill`), as int8's do. CPUs without avx512_vnni get no kernel: refused in one line.
+
 fp16: every `nn.Linear` becomes an `Fp16Linear`: its weights rounded to fp16 once and packed for fbgemm's fp16 GEMM
 (`quantized.linear_dynamic_fp16`, x86), which reads them at half the bytes of fp32 and multiplies in fp32; the
 activations and everything between the linears stay fp32. On a 2-core AMD EPYC (avx2), SmolLM2's LM head (49152 x
@@ -52,7 +61,7 @@ from torch import nn
 
 from . import packed_linear
 
-QUANTIZE_SCHEMES = ("int8", "w8a8", "fp16")
+QUANTIZE_SCHEMES = ("int8", "w8a8", "w8a16", "fp16")
 # A prompt's prefill takes an int8 layer through a bf16 GEMM from this many rows (`prefill`): on a 2-core Zen 4 EPYC
 # a 1536 x 576 layer at 16 / 150 rows took 197 / 1809 us through ATen's int8 kernel, 195 / 735 dequantized.
 PREFILL_GEMM_ROWS = 32
@@ -107,15 +116,16 @@ class Int8Linear(nn.Module):
         """(rows @ weight_int8.T) * scales for a prompt's bf16 rows: the weight converted exactly (every int8 is a
         bf16), per call, or kept; a kept weight in oneDNN's layout takes the scales in the GEMM's epilogue (its fp32
         sums scaled, then rounded once)."""
+        scales = self.scales.to(rows.dtype)  # W8A16Linear's are fp32
         if not self.keeps_prefill_weight:
-            return F.linear(rows, self.weight_int8.to(rows.dtype)) * self.scales
+            return F.linear(rows, self.weight_int8.to(rows.dtype)) * scales
         if self._prefill_weight is None:
             self._prefill_weight = _pack_bf16(self.weight_int8.to(torch.bfloat16))
         if self._prefill_weight.is_mkldnn:
             return torch.ops.mkldnn._linear_pointwise.binary(
-                rows, self.scales[None], self._prefill_weight, None, "mul"
+                rows, scales[None], self._prefill_weight, None, "mul"
             )
-        return F.linear(rows, self._prefill_weight) * self.scales
+        return F.linear(rows, self._prefill_weight) * scales
 
     def select_rows(self, ids: torch.Tensor) -> Int8Linear:
         """The layer over the output rows `ids` only, each with the bits it has here (a drafter's vocabulary)."""
@@ -225,6 +235,86 @@ class W8A8Linear(Int8Linear):
 
 
 W8A8_ZERO_POINT = 128  # the activation codes' offset: the micro-kernels multiply unsigned by signed bytes
+
+
+class W8A16Linear(Int8Linear):
+    """y = (x16 @ weight_int8.T) * scales + bias, x16 each row of `x` as 16-bit integers (its absmax / 32639), in
+    integers (cpu_w8a16.py: the product's bits do not depend on the rows beside it or the kernel). The weight is
+    held in the kernel's tiles (`packed`, with each column's sum); `weight_int8` unpacks it. A prompt's rows
+    (`prefill`) take `Int8Linear`'s bf16 GEMM on the dequantized weight."""
+
+    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype = torch.bfloat16) -> None:
+        nn.Module.__init__(self)
+        if not w8a16_available():  # the kernel is built (its operator registered) before any layer runs
+            raise QuantizeError(W8A16_REFUSAL)
+        quantized, scales = per_channel_int8(linear.weight, torch.float32)
+        bias = linear.bias
+        self.compute_dtype = compute_dtype
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self._hold(quantized, scales, None if bias is None else bias.detach().float())
+        self.keeps_prefill_weight = False
+        self._prefill_weight: torch.Tensor | None = None
+
+    def _hold(self, quantized: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+        from .cpu_w8a16 import pack
+
+        packed, colsums = pack(quantized)
+        self.register_buffer("packed", packed)
+        self.register_buffer("colsums", colsums)
+        self.register_buffer("scales", scales.float().contiguous())  # fp32: the kernel's epilogue is fp32
+        self.register_buffer("bias", bias)
+
+    @property
+    def weight_int8(self) -> torch.Tensor:  # type: ignore[override]
+        """The int8 weight as [out, in] (a new tensor each call)."""
+        from .cpu_w8a16 import unpack
+
+        return unpack(self.packed, self.out_features, self.in_features)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return (self.weight_int8.float() * self.scales[:, None]).to(self.compute_dtype)
+
+    def select_rows(self, ids: torch.Tensor) -> W8A16Linear:
+        part = copy.copy(self)
+        part._buffers = {}
+        bias = None if self.bias is None else self.bias[ids].contiguous()
+        part._hold(self.weight_int8[ids], self.scales[ids], bias)
+        part.out_features = ids.numel()
+        part._prefill_weight = None
+        return part
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from .cpu_w8a16 import w8a16_linear
+
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1]).to(self.compute_dtype).contiguous()
+        if not torch.compiler.is_compiling() and _PREFILL.get() and rows.shape[0] >= PREFILL_GEMM_ROWS:
+            out = self._prefill_product(rows)  # a prompt's rows: int8's bf16 GEMM (`prefill`)
+            if self.bias is not None:
+                out = out + self.bias.to(out.dtype)
+        else:
+            out = w8a16_linear(rows, self.packed, self.scales, self.colsums, self.bias)
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, "
+            "16-bit integer activations"
+        )
+
+
+W8A16_REFUSAL = (
+    "--quantize w8a16 needs a CPU with avx512_vnni (its integer kernel), which this one lacks: "
+    "use --quantize int8"
+)
+
+
+def w8a16_available() -> bool:
+    """cpu_w8a16.py's kernel serves on this CPU (avx512_vnni; built on first call)."""
+    from . import cpu_w8a16
+
+    return cpu_w8a16.prepare()
 
 
 def w8a8_available() -> bool:
@@ -384,6 +474,8 @@ def check_quantize(scheme: str | None, dtype: torch.dtype | None, device: torch.
         raise QuantizeError(
             "--quantize w8a8 needs oneDNN's int8 linear, which this torch lacks (x86 builds have it)"
         )
+    if scheme == "w8a16" and not w8a16_available():
+        raise QuantizeError(W8A16_REFUSAL)
     if dtype is not None and dtype not in (torch.bfloat16, torch.float32):
         raise QuantizeError(
             f"--quantize {scheme} runs bf16 activations (or fp32 ones), not "
@@ -405,12 +497,13 @@ def quantize(model: nn.Module, scheme: str) -> int:
     if scheme == "fp16":
         return _replace_linears(model, Fp16Linear)
     dtype = next(model.parameters()).dtype
-    kind = W8A8Linear if scheme == "w8a8" else Int8Linear
+    kind = {"w8a8": W8A8Linear, "w8a16": W8A16Linear}.get(scheme, Int8Linear)
     replaced = _replace_linears(model, lambda linear: kind(linear, compute_dtype=dtype))
-    if kind is Int8Linear and dtype == torch.bfloat16:  # room for the bf16 weights prompts run on (`prefill`)
+    # room for the bf16 weights prompts run on (`prefill`)
+    if kind is not W8A8Linear and dtype == torch.bfloat16:
         room = PREFILL_WEIGHT_BYTES
         for m in model.modules():
-            if isinstance(m, Int8Linear) and (size := 2 * m.weight_int8.numel()) <= room:
+            if isinstance(m, Int8Linear) and (size := 2 * m.in_features * m.out_features) <= room:
                 m.keeps_prefill_weight, room = True, room - size
     return replaced
 
@@ -429,11 +522,13 @@ def _replace_linears(model: nn.Module, kind: Any) -> int:
 
 
 def quantization_of(model: nn.Module) -> str | None:
-    """The scheme `quantize` applied to this model ("int8", "w8a8", "fp16"), else None (what the cost model and the
+    """The scheme `quantize` applied to this model ("int8", "w8a8", "w8a16", "fp16"), else None (what the cost model and the
     reports key on)."""
     for m in model.modules():
         if isinstance(m, W8A8Linear):
             return "w8a8"
+        if isinstance(m, W8A16Linear):
+            return "w8a16"
         if isinstance(m, Int8Linear):
             return "int8"
         if isinstance(m, Fp16Linear):

@@ -301,7 +301,7 @@ class Target:
         with (
             self._taps(tap_layer_ids) as captured,
             self._recording(cache, input_ids.shape[1], record),
-            quantize_prefill() if prefill and self.quantize == "int8" else nullcontext(),
+            quantize_prefill() if prefill and self.quantize in ("int8", "w8a16") else nullcontext(),
         ):
             out = self.model(input_ids=input_ids, **kwargs)
         features = self._concat_taps(captured, tap_layer_ids) if tap_layer_ids else None

@@ -1,0 +1,215 @@
+"""--quantize w8a16: int8 weights, each row held as 16-bit integers and multiplied in integers (cpu_w8a16.py). A layer
+is that arithmetic; a row gets the same bits whatever rows share the call and whichever kernel runs it, eager and
+compiled; layers of one input are one kernel call in a compiled graph; DFlash decodes what plain decoding of the
+same model decodes; a CPU without the kernel is refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import (
+    HYBRID_ARCHS,
+    VOCAB,
+    assert_batched_dflash_is_plain_decoding,
+    assert_dflash_is_plain_decoding,
+    first_rows_symbolic,
+    hybrid_model,
+    tiny_model,
+)
+from flashdraft import Target, cpu_w8a16
+from flashdraft.model import DFlashDraftModel
+from flashdraft.quantize import QuantizeError, W8A16Linear, check_quantize, quantization_of, quantize
+
+pytestmark = pytest.mark.skipif(not cpu_w8a16.prepare(), reason="the w8a16 kernel needs avx512_vnni")
+
+
+def reference(layer: W8A16Linear, x: torch.Tensor) -> torch.Tensor:
+    """The layer's arithmetic spelled out: each row scaled to 16-bit integers by its absmax, the integer product
+    with the weight (exact in float64 at these sizes), the two scales, the bias."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    top = rows.abs().amax(dim=1, keepdim=True)
+    codes = torch.round(rows * (cpu_w8a16.HALF / top))
+    assert codes.abs().max() <= cpu_w8a16.HALF
+    out = (
+        (codes.double() @ layer.weight_int8.double().T)
+        * (top.double() / cpu_w8a16.HALF)
+        * layer.scales.double()
+    )
+    if layer.bias is not None:
+        out = out + layer.bias.double()
+    return out.float().reshape(*x.shape[:-1], layer.out_features)
+
+
+def drafter(model: nn.Module) -> DFlashDraftModel:
+    return (
+        DFlashDraftModel.for_target(model.config, num_layers=1, block_size=6, mask_token_id=VOCAB - 1, seed=3)
+        .eval()
+        .to(torch.bfloat16)
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_w8a16_layer_is_the_integer_product_of_each_row_s_16_bit_codes(dtype):
+    """Widths that fill no whole tile (100 inputs, 40 outputs), a bias; zeros, NaN and inf rows."""
+    torch.manual_seed(0)
+    linear = nn.Linear(100, 40, bias=True).to(dtype)
+    layer = W8A16Linear(linear, compute_dtype=dtype)
+    x = torch.randn(5, 3, 100, dtype=dtype)
+    got = layer(x)
+    assert got.shape == (5, 3, 40) and got.dtype == dtype
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.float(), reference(layer, x), rtol=tol, atol=tol)
+    # the weight as int8 wants it: per output channel, absmax / 127, each within half a step; the packing undone
+    dequantized = layer.weight_int8.float() * layer.scales[:, None]
+    assert ((dequantized - linear.weight.float()).abs() <= layer.scales[:, None] / 2 + 1e-6).all()
+    assert torch.equal(cpu_w8a16.unpack(*cpu_w8a16.pack(layer.weight_int8)[:1], 40, 100), layer.weight_int8)
+    # zeros give the bias; a NaN or inf in a row gives NaN outputs (never finite garbage the engine would take)
+    zeros = layer(torch.zeros(1, 100, dtype=dtype))
+    torch.testing.assert_close(zeros.float(), linear.bias[None].float(), rtol=tol, atol=tol)
+    bad = torch.randn(3, 100, dtype=dtype)
+    bad[1, 5], bad[2, 99] = float("nan"), float("inf")
+    out = layer(bad)
+    assert out[0].isfinite().all() and out[1].isnan().all() and out[2].isnan().all()
+
+
+def test_a_row_gets_its_bits_at_any_row_count_from_either_kernel():
+    """Each row quantized alone and summed in integers: a row's output does not depend on the rows beside it (a
+    scale over the whole call would break it: the outlier row), nor on which kernel serves the call (vpdpbusd for
+    few rows, AMX's tiles for more where the CPU has them)."""
+    torch.manual_seed(1)
+    layer = W8A16Linear(nn.Linear(576, 1000).to(torch.bfloat16))
+    x = torch.randn(21, 576, dtype=torch.bfloat16)
+    x[3] *= 50
+    thresholds = (4, 64, 0) if cpu_w8a16.kernels() == "avx512_vnni+amx" else (4,)
+    try:
+        outputs = []
+        for code_rows in thresholds:
+            cpu_w8a16.set_vnni_rows(code_rows)
+            together = layer(x)
+            for i in (0, 3, 7, 20):
+                assert torch.equal(together[i : i + 1], layer(x[i : i + 1])), (
+                    f"row {i}, threshold {code_rows}"
+                )
+            for rows in (2, 3, 5, 8, 9, 16):
+                assert torch.equal(layer(x[:rows]), together[:rows]), f"{rows} rows, threshold {code_rows}"
+            outputs.append(together)
+    finally:
+        cpu_w8a16.set_vnni_rows(4)
+    assert all(torch.equal(outputs[0], out) for out in outputs)
+    torch.testing.assert_close(outputs[0].float(), reference(layer, x), rtol=1e-2, atol=1e-2)
+
+
+def test_compiled_w8a16_layers_of_one_input_are_one_call_and_keep_a_row_s_bits():
+    """Compiled as the engine compiles a verify (frozen, rows symbolic): q / k / v of one input are one kernel call,
+    gate / up another (the freezing pass concatenates their packed weights), a layer of another input its own; every
+    row's outputs are the same bits at 1 to 17 rows and the layers' arithmetic. Two layers whose widths fill no
+    whole tile stay apart (the first one's padding would shift the second one's outputs)."""
+    from torch._dynamo.utils import counters
+
+    from flashdraft.compiled import compile_options, compile_whole
+
+    torch.manual_seed(0)
+    q, k, v, o = (W8A16Linear(nn.Linear(576, n, bias=False).to(torch.bfloat16)) for n in (576, 192, 192, 576))
+    gate, up = (W8A16Linear(nn.Linear(576, 1536, bias=False).to(torch.bfloat16)) for _ in range(2))
+    odd, other = (W8A16Linear(nn.Linear(64, n, bias=False).to(torch.bfloat16)) for n in (40, 24))
+    layers = nn.ModuleList([q, k, v, o, gate, up, odd, other]).eval()
+
+    def step(inputs):
+        x, h, y, z = inputs
+        return [q(x), k(x), v(x), o(z), gate(h), up(h), odd(y), other(y)]
+
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = compile_whole(step, compile_options(torch.device("cpu")), weights=layers)
+        x = [torch.randn(17, n, dtype=torch.bfloat16) for n in (576, 576, 64, 576)]
+        with torch.no_grad():
+            alone = first_rows_symbolic(compiled, x, 1)
+            for rows in (2, 3, 5, 8, 17):
+                together = first_rows_symbolic(compiled, x, rows)
+                for i, (one, many, layer) in enumerate(zip(alone, together, layers, strict=True)):
+                    t = x[0] if i < 3 else x[3] if i == 3 else x[1] if i < 6 else x[2]
+                    assert torch.equal(many[:1], one), f"layer {i} at {rows} rows"
+                    torch.testing.assert_close(many.float(), reference(layer, t[:rows]), rtol=1e-2, atol=1e-2)
+            with torch.profiler.profile() as prof:  # the graph made: its calls
+                first_rows_symbolic(compiled, x, 4)
+    calls = [e.name for e in prof.events() if e.name == "flashdraft::w8a16_linear"]
+    assert len(calls) == 5  # q / k / v, o, gate / up, and the two narrow ones apart
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", HYBRID_ARCHS[0]])
+def test_dflash_on_a_w8a16_target_is_plain_decoding_of_it(arch):
+    """Greedy and seeded sampling, a random drafter and an oracle, eager; a hybrid target too."""
+    model = hybrid_model(arch, seed=2) if arch in HYBRID_ARCHS else tiny_model(arch, seed=2)
+    model = model.to(torch.bfloat16)
+    assert quantize(model, "w8a16") > 0
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert isinstance(model.get_output_embeddings(), W8A16Linear)
+    assert quantization_of(model) == "w8a16"
+    target = Target(model)
+    assert target.quantize == "w8a16"
+    assert_dflash_is_plain_decoding(target, drafter(model))
+
+
+def test_compiled_dflash_on_a_w8a16_target_is_plain_decoding_of_it():
+    """`--quantize w8a16 --compile`: one row and rows joining and leaving a batch."""
+    from flashdraft.compiled import compile_verify
+
+    model = tiny_model("llama", seed=2).to(torch.bfloat16)
+    quantize(model, "w8a16")
+    target = Target(model)
+    assert compile_verify(target) is None
+    draft = drafter(model)
+    assert_dflash_is_plain_decoding(target, draft)
+    assert_batched_dflash_is_plain_decoding(target, draft, max_batch_size=3)
+
+
+def test_a_w8a16_head_over_a_drafter_s_vocabulary_keeps_each_row_s_bits():
+    """select_rows (draft_vocab.py): the head over some tokens gives those tokens' logits bit for bit."""
+    torch.manual_seed(4)
+    head = W8A16Linear(nn.Linear(96, 300, bias=False).to(torch.bfloat16))
+    ids = torch.tensor([0, 5, 17, 64, 299, 100])
+    part = head.select_rows(ids)
+    x = torch.randn(3, 96, dtype=torch.bfloat16)
+    assert part.out_features == 6 and torch.equal(part(x), head(x)[:, ids])
+
+
+def test_what_w8a16_cannot_run_is_refused_in_one_line(monkeypatch):
+    cpu = torch.device("cpu")
+    check_quantize("w8a16", None, cpu)
+    check_quantize("w8a16", torch.float32, cpu)
+    with pytest.raises(QuantizeError, match="--quantize w8a16 runs bf16 activations .* not float16"):
+        check_quantize("w8a16", torch.float16, cpu)
+    with pytest.raises(QuantizeError, match="for CPUs"):
+        check_quantize("w8a16", None, torch.device("cuda"))
+    monkeypatch.setattr(cpu_w8a16, "prepare", lambda: False)
+    with pytest.raises(QuantizeError, match="avx512_vnni .* use --quantize int8"):
+        check_quantize("w8a16", None, cpu)
+    # quantize() called directly: refused, not layers whose operator has no kernel
+    with pytest.raises(QuantizeError, match="avx512_vnni"):
+        quantize(tiny_model("llama").to(torch.bfloat16), "w8a16")
+
+
+def test_a_process_without_w8a16_layers_compiles_frozen_graphs():
+    """The freezing pass that joins w8a16 layers is registered only once the kernel is built (tracing its patterns
+    runs the operator): a fresh process compiling another model's graph never needs the kernel (an int8 bench
+    failed there when the patterns were registered at every first compile)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from torch import nn\n"
+        "from flashdraft import cpu_w8a16\n"
+        "from flashdraft.compiled import compile_options, compile_whole\n"
+        "layer = nn.Linear(64, 32).to(torch.bfloat16).eval()\n"
+        "step = compile_whole(lambda x: layer(x), compile_options(torch.device('cpu')), weights=layer)\n"
+        "with torch.no_grad():\n"
+        "    out = step(torch.randn(3, 64, dtype=torch.bfloat16))\n"
+        "assert out.shape == (3, 32) and cpu_w8a16.kernels() is None\n"
+        "print('compiled')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-2000:]
