@@ -1,7 +1,8 @@
 """What a quantization costs the model itself: SmolLM2-135M-Instruct's mean negative log-likelihood per token on
 GSM8K test solutions (question and answer, the first N; evaluation only), and how often its greedy next token
-agrees with the bf16 model's, for bf16, fp32, int8 weight-only and w8a8 (int8 weights and per-row int8 activations),
-eager. benchmarks/README.md, 2026-12-02. Run: python benchmarks/scripts/quantization_quality.py [N]"""
+agrees with the bf16 model's, for bf16, fp32, int8 weight-only, w8a8 (int8 weights and per-row int8 activations) and
+w8a16 (int8 weights, per-row 16-bit integer activations), eager. benchmarks/README.md, 2026-12-02 and 2026-12-05.
+Run: python benchmarks/scripts/quantization_quality.py [N]"""
 
 import json
 import sys
@@ -21,6 +22,7 @@ configs = {
     "fp32": ("float32", None),
     "int8 (weights)": ("bfloat16", "int8"),
     "w8a8": ("bfloat16", "w8a8"),
+    "w8a16": ("bfloat16", "w8a16"),
 }
 reference_tokens: list[torch.Tensor] = []
 print(f"{n} GSM8K test solutions")
@@ -38,5 +40,8 @@ for name, (dtype, quantize) in configs.items():
             if name == "bf16":
                 reference_tokens.append(greedy)
             agree += (greedy == reference_tokens[i]).sum().item()
-    print(f"{name:16s} nll/token {nll / count:.4f}  ppl {torch.tensor(nll / count).exp():.3f}  "
-          f"greedy next token = bf16's {agree / count:.4f}", flush=True)
+    print(
+        f"{name:16s} nll/token {nll / count:.4f}  ppl {torch.tensor(nll / count).exp():.3f}  "
+        f"greedy next token = bf16's {agree / count:.4f}",
+        flush=True,
+    )

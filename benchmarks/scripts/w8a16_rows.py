@@ -1,0 +1,58 @@
+"""The w8a16 kernel's two paths by row count (cpu_w8a16.set_vnni_rows: vpdpbusd up to that many code rows, two per
+token, AMX's tiles above): SmolLM2-135M's compiled verify after 256 tokens through the engine (`static_decoder`),
+at 1-16 tokens, each threshold in turn within one round, rounds interleaved, median ms; and int8 (`--quantize
+int8`, inductor's GEMMs) beside it when given. The kernels give the same bits (tests/test_w8a16.py), so the
+threshold is a speed choice only. benchmarks/README.md, 2026-12-05 (stop 74).
+Run: python benchmarks/scripts/w8a16_rows.py [int8]"""
+
+import statistics
+import sys
+import time
+
+import torch
+
+from flashdraft import cpu_w8a16
+from flashdraft.compiled import compile_verify
+from flashdraft.measure import static_decoder
+from flashdraft.model import DFlashDraftModel
+from flashdraft.target import load_target
+
+torch.set_num_threads(2)
+lengths = (1, 2, 3, 4, 6, 8, 16)
+thresholds = (2, 4, 6, 8, 16) if cpu_w8a16.prepare() and cpu_w8a16.kernels() == "avx512_vnni+amx" else (8,)
+ids = torch.randint(100, 20000, (1, 300), generator=torch.Generator().manual_seed(0))
+draft = DFlashDraftModel.from_pretrained("drafters/smollm2-135m-instruct").eval()
+configs = {}
+for scheme in ["w8a16"] + sys.argv[1:]:
+    target = load_target(
+        "smollm2-135m-instruct", dtype="bfloat16", device="cpu", quantize=scheme, compiled=True
+    )
+    compile_verify(target)
+    configs[scheme] = (target, static_decoder(target, draft, ids[:, :256], dtype="bfloat16"))
+
+
+def verify(scheme: str, n: int) -> None:
+    target, engine = configs[scheme]
+    engine.forward_block(ids[:, 256 : 256 + n], torch.arange(256, 256 + n)[None])
+    target.crop(engine.cache, 256)
+
+
+runs = [("w8a16", t) for t in thresholds] + [(s, None) for s in sys.argv[1:]]
+times: dict[tuple, list[float]] = {(run, n): [] for run in runs for n in lengths}
+with torch.no_grad():
+    for scheme in configs:
+        for n in lengths:  # compiles
+            verify(scheme, n)
+    for _ in range(8):
+        for run in runs:
+            if run[1] is not None:
+                cpu_w8a16.set_vnni_rows(run[1])
+            for n in lengths:
+                for _ in range(5):
+                    start = time.perf_counter()
+                    verify(run[0], n)
+                    times[(run, n)].append(time.perf_counter() - start)
+print("ms at", " ".join(f"{n:>6}" for n in lengths), "tokens")
+for run in runs:
+    label = f"{run[0]}, vpdpbusd to {run[1]} code rows" if run[1] is not None else run[0]
+    print(f"{label:34}", " ".join(f"{1e3 * statistics.median(times[(run, n)]):6.2f}" for n in lengths))
