@@ -36,6 +36,7 @@ torch.compile's keywords) replaces the options on either device.
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from collections.abc import Sequence
@@ -316,6 +317,22 @@ def _no_onednn_prepack() -> None:
         torch._C._set_mkldnn_enabled(enabled)
 
 
+def _freezing_replacement() -> Any:
+    """inductor's `register_replacement` bound to its freezing patterns (a replacement made in the graphs
+    compile_whole freezes, forward only), or None where this torch has no such pass."""
+    try:
+        import torch._inductor.lowering  # noqa: F401 - inductor's modules import in this order
+        from torch._inductor.fx_passes.freezing_patterns import pass_patterns
+        from torch._inductor.pattern_matcher import fwd_only, register_replacement
+    except (ImportError, AttributeError):
+        return None
+
+    def register(pattern: Any, replacement: Any, example_inputs: list[Any], **kwargs: Any) -> None:
+        register_replacement(pattern, replacement, example_inputs, fwd_only, pass_patterns[0], **kwargs)
+
+    return register
+
+
 def _register_int8_concat_linear() -> None:
     """Once per process, before any frozen graph: inductor's freezing passes turn int8 linears that read the same
     rows (an attention's q / k / v projections, an MLP's gate and up) into one GEMM over their weights and scales
@@ -328,13 +345,8 @@ def _register_int8_concat_linear() -> None:
     if getattr(_register_int8_concat_linear, "done", False):
         return
     _register_int8_concat_linear.done = True
-    try:
-        import functools
-
-        import torch._inductor.lowering  # noqa: F401 - inductor's modules import in this order
-        from torch._inductor.fx_passes.freezing_patterns import pass_patterns
-        from torch._inductor.pattern_matcher import fwd_only, register_replacement
-    except (ImportError, AttributeError):  # another torch: one GEMM per linear, as before
+    register = _freezing_replacement()
+    if register is None:  # another torch: one GEMM per linear, as before
         return
     int8_mm = torch.ops.aten._weight_int8pack_mm.default
 
@@ -371,12 +383,10 @@ def _register_int8_concat_linear() -> None:
         (two, two_as_one, ("w1", "w2", "s1", "s2")),
     ):
         k = len(names) // 2
-        register_replacement(
+        register(
             pattern,
             replacement,
             [rows()] + [weight() for _ in range(k)] + [scale() for _ in range(k)],
-            fwd_only,
-            pass_patterns[0],
             extra_check=functools.partial(frozen, names=names),
             exclusive_arg_names=names,
         )
@@ -394,13 +404,8 @@ def _register_w8a16_concat_linear() -> None:
     if getattr(_register_w8a16_concat_linear, "done", False) or cpu_w8a16.kernels() is None:
         return
     _register_w8a16_concat_linear.done = True
-    try:
-        import functools
-
-        import torch._inductor.lowering  # noqa: F401 - inductor's modules import in this order
-        from torch._inductor.fx_passes.freezing_patterns import pass_patterns
-        from torch._inductor.pattern_matcher import fwd_only, register_replacement
-    except (ImportError, AttributeError):  # another torch: one call per linear, as before
+    register = _freezing_replacement()
+    if register is None:  # another torch: one call per linear, as before
         return
     op = torch.ops.flashdraft.w8a16_linear.default
 
@@ -435,15 +440,13 @@ def _register_w8a16_concat_linear() -> None:
     colsum = functools.partial(torch.empty, (16,), dtype=torch.int32)
     for pattern, replacement, k in ((three, three_as_one, 3), (two, two_as_one, 2)):
         names = tuple(f"{kind}{i}" for kind in "psc" for i in range(1, k + 1))
-        register_replacement(
+        register(
             pattern,
             replacement,
             [rows()]
             + [packed() for _ in range(k)]
             + [scale() for _ in range(k)]
             + [colsum() for _ in range(k)],
-            fwd_only,
-            pass_patterns[0],
             extra_check=functools.partial(tiles, names=names),
             exclusive_arg_names=names,
         )
