@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import packed_linear
+from . import cpu_w8a16, packed_linear
 
 QUANTIZE_SCHEMES = ("int8", "w8a8", "w8a16", "fp16")
 # A prompt's prefill takes an int8 layer through a bf16 GEMM from this many rows (`prefill`): on a 2-core Zen 4 EPYC
@@ -256,9 +256,7 @@ class W8A16Linear(Int8Linear):
         self._prefill_weight: torch.Tensor | None = None
 
     def _hold(self, quantized: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
-        from .cpu_w8a16 import pack
-
-        packed, colsums = pack(quantized)
+        packed, colsums = cpu_w8a16.pack(quantized)
         self.register_buffer("packed", packed)
         self.register_buffer("colsums", colsums)
         self.register_buffer("scales", scales.float().contiguous())  # fp32: the kernel's epilogue is fp32
@@ -267,9 +265,7 @@ class W8A16Linear(Int8Linear):
     @property
     def weight_int8(self) -> torch.Tensor:  # type: ignore[override]
         """The int8 weight as [out, in] (a new tensor each call)."""
-        from .cpu_w8a16 import unpack
-
-        return unpack(self.packed, self.out_features, self.in_features)
+        return cpu_w8a16.unpack(self.packed, self.out_features, self.in_features)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -285,8 +281,6 @@ class W8A16Linear(Int8Linear):
         return part
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from .cpu_w8a16 import w8a16_linear
-
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).to(self.compute_dtype).contiguous()
         if not torch.compiler.is_compiling() and _PREFILL.get() and rows.shape[0] >= PREFILL_GEMM_ROWS:
@@ -294,7 +288,7 @@ class W8A16Linear(Int8Linear):
             if self.bias is not None:
                 out = out + self.bias.to(out.dtype)
         else:
-            out = w8a16_linear(rows, self.packed, self.scales, self.colsums, self.bias)
+            out = cpu_w8a16.w8a16_linear(rows, self.packed, self.scales, self.colsums, self.bias)
         return out.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -312,8 +306,6 @@ W8A16_REFUSAL = (
 
 def w8a16_available() -> bool:
     """cpu_w8a16.py's kernel serves on this CPU (avx512_vnni; built on first call)."""
-    from . import cpu_w8a16
-
     return cpu_w8a16.prepare()
 
 
