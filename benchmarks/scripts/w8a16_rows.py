@@ -2,8 +2,10 @@
 token, AMX's tiles above): SmolLM2-135M's compiled verify after 256 tokens through the engine (`static_decoder`),
 at 1-16 tokens, each threshold in turn within one round, rounds interleaved, median ms; and int8 (`--quantize
 int8`, inductor's GEMMs) beside it when given. The kernels give the same bits (tests/test_w8a16.py), so the
-threshold is a speed choice only. benchmarks/README.md, 2026-12-05 (stop 74).
-Run: python benchmarks/scripts/w8a16_rows.py [int8]"""
+threshold is a speed choice only. With `prefetch`: the distances the kernels prefetch their weights ahead
+(cpu_w8a16.set_prefetch, bytes; 0: none) instead of the thresholds, at the default threshold.
+benchmarks/README.md, 2026-12-05 (stop 74) and 2026-12-06 (prefetch).
+Run: python benchmarks/scripts/w8a16_rows.py [int8] [prefetch]"""
 
 import statistics
 import sys
@@ -19,11 +21,14 @@ from flashdraft.target import load_target
 
 torch.set_num_threads(2)
 lengths = (1, 2, 3, 4, 6, 8, 16)
-thresholds = (2, 4, 6, 8, 16) if cpu_w8a16.prepare() and cpu_w8a16.kernels() == "avx512_vnni+amx" else (8,)
+prefetch = "prefetch" in sys.argv[1:]
+schemes = [a for a in sys.argv[1:] if a != "prefetch"]
+amx = cpu_w8a16.prepare() and cpu_w8a16.kernels() == "avx512_vnni+amx"
+settings = (0, 1024, 2048, 4096) if prefetch else (2, 4, 6, 8, 16) if amx else (8,)
 ids = torch.randint(100, 20000, (1, 300), generator=torch.Generator().manual_seed(0))
 draft = DFlashDraftModel.from_pretrained("drafters/smollm2-135m-instruct").eval()
 configs = {}
-for scheme in ["w8a16"] + sys.argv[1:]:
+for scheme in ["w8a16"] + schemes:
     target = load_target(
         "smollm2-135m-instruct", dtype="bfloat16", device="cpu", quantize=scheme, compiled=True
     )
@@ -37,7 +42,7 @@ def verify(scheme: str, n: int) -> None:
     target.crop(engine.cache, 256)
 
 
-runs = [("w8a16", t) for t in thresholds] + [(s, None) for s in sys.argv[1:]]
+runs = [("w8a16", t) for t in settings] + [(s, None) for s in schemes]
 times: dict[tuple, list[float]] = {(run, n): [] for run in runs for n in lengths}
 with torch.no_grad():
     for scheme in configs:
@@ -46,7 +51,7 @@ with torch.no_grad():
     for _ in range(8):
         for run in runs:
             if run[1] is not None:
-                cpu_w8a16.set_vnni_rows(run[1])
+                (cpu_w8a16.set_prefetch if prefetch else cpu_w8a16.set_vnni_rows)(run[1])
             for n in lengths:
                 for _ in range(5):
                     start = time.perf_counter()
@@ -54,5 +59,6 @@ with torch.no_grad():
                     times[(run, n)].append(time.perf_counter() - start)
 print("ms at", " ".join(f"{n:>6}" for n in lengths), "tokens")
 for run in runs:
-    label = f"{run[0]}, vpdpbusd to {run[1]} code rows" if run[1] is not None else run[0]
+    setting = f"prefetch {run[1]} bytes ahead" if prefetch else f"vpdpbusd to {run[1]} code rows"
+    label = f"{run[0]}, {setting}" if run[1] is not None else run[0]
     print(f"{label:34}", " ".join(f"{1e3 * statistics.median(times[(run, n)]):6.2f}" for n in lengths))

@@ -54,6 +54,7 @@ _SOURCE = r"""
 namespace flashdraft_w8a16 {
 int vnni_rows = 4;   // code rows (two per input row) up to which vpdpbusd serves where AMX could
 bool amx = false;    // AMX's tiles granted to the process (flashdraft_w8a16_isa)
+int64_t prefetch = 2048;  // bytes ahead in each weight stream the kernels ask for (0: none)
 }
 
 // 0: no kernel in this build; 1: avx512_vnni; 2: avx512_vnni and AMX (`amx_granted`: the process may use its tiles)
@@ -68,6 +69,7 @@ extern "C" int flashdraft_w8a16_isa(int amx_granted) {
 #endif
 }
 extern "C" void flashdraft_w8a16_vnni_rows(int rows) { flashdraft_w8a16::vnni_rows = rows; }
+extern "C" void flashdraft_w8a16_prefetch(int bytes) { flashdraft_w8a16::prefetch = bytes; }
 
 #ifdef W8A16_VNNI
 namespace {
@@ -111,6 +113,15 @@ void quantize(const X* x, int64_t K, int64_t Kp, int8_t* hi, float* scale) {
   }
 }
 
+// Ask for the line at byte `at` of weight stream i (blocks `stride` bytes apart from w), or past that stream's end the
+// same line of the next group's stream i (four blocks on). Each thread reads four streams of KC KiB at a time, and
+// the hardware's prefetchers stop at every 4 KiB page: asked 2 KiB ahead, SmolLM2-135M's verify of 1-16 tokens took
+// 6-10 % less time on a 2-core Emerald Rapids Xeon (benchmarks/README.md, 2026-12-06).
+inline void prefetch_line(const int8_t* w, int64_t stride, int i, int64_t at) {
+  if (at >= stride) w += 4 * stride, at -= stride;
+  _mm_prefetch(reinterpret_cast<const char*>(w + i * stride + at), _MM_HINT_T0);
+}
+
 // Code rows [R] x columns of blocks b .. b + g - 1 (g <= 4), all of K: vpdpbusd on unsigned codes, the 128 * column
 // sum taken back. c: [R][64] int32.
 template <int R>
@@ -122,7 +133,10 @@ void vnni_blocks(const int8_t* codes, int64_t Kp, const int8_t* w, int64_t KC, c
   const int8_t* wb = w + b * KC * 1024;
   const int64_t quads = KC * 16, stride = KC * 1024;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));  // code + 128
+  const int64_t ahead = flashdraft_w8a16::prefetch;
   for (int64_t q = 0; q < quads; ++q) {
+    if (ahead > 0)
+      for (int i = 0; i < 4; ++i) prefetch_line(wb, stride, i, q * 64 + ahead);
     __m512i a[R];
     for (int r = 0; r < R; ++r)
       a[r] = _mm512_xor_si512(_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(codes + r * Kp + q * 4)), flip);
@@ -155,7 +169,11 @@ void amx_blocks(const int8_t* a, int64_t Kp, const int8_t* w, int64_t KC, int32_
   if constexpr (G > 2) _tile_zero(2);
   if constexpr (G > 3) _tile_zero(3);
   const int64_t stride = KC * 1024;
+  const int64_t ahead = flashdraft_w8a16::prefetch;
   for (int64_t kc = 0; kc < KC; ++kc) {
+    if (ahead > 0)
+      for (int i = 0; i < G; ++i)
+        for (int64_t l = 0; l < 1024; l += 64) prefetch_line(w, stride, i, kc * 1024 + ahead + l);
     _tile_loadd(4, a + kc * 64, Kp);
     const int8_t* b = w + kc * 1024;
     _tile_loadd(5, b, 64);
@@ -341,6 +359,13 @@ def set_vnni_rows(code_rows: int) -> None:
     benchmarks and tests: the two kernels give the same bits."""
     if _loaded is not None:
         _loaded.flashdraft_w8a16_vnni_rows(int(code_rows))
+
+
+def set_prefetch(distance: int) -> None:
+    """Bytes ahead in each weight stream the kernels prefetch (2048, the default; 0: none); for benchmarks: the bits
+    do not depend on it."""
+    if _loaded is not None:
+        _loaded.flashdraft_w8a16_prefetch(int(distance))
 
 
 def pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
