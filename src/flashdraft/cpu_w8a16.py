@@ -116,7 +116,7 @@ void quantize(const X* x, int64_t K, int64_t Kp, int8_t* hi, float* scale) {
 // Ask for the line at byte `at` of weight stream i (blocks `stride` bytes apart from w), or past that stream's end the
 // same line of the next group's stream i (four blocks on). Each thread reads four streams of KC KiB at a time, and
 // the hardware's prefetchers stop at every 4 KiB page: asked 2 KiB ahead, SmolLM2-135M's verify of 1-16 tokens took
-// 6-10 % less time on a 2-core Emerald Rapids Xeon (benchmarks/README.md, 2026-12-06).
+// 4-15 % less time on a 2-core Emerald Rapids Xeon, interleaved (benchmarks/README.md, 2026-12-06).
 inline void prefetch_line(const int8_t* w, int64_t stride, int i, int64_t at) {
   if (at >= stride) w += 4 * stride, at -= stride;
   _mm_prefetch(reinterpret_cast<const char*>(w + i * stride + at), _MM_HINT_T0);
