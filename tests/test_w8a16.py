@@ -77,7 +77,7 @@ def test_a_w8a16_layer_is_the_integer_product_of_each_row_s_16_bit_codes(dtype):
 def test_a_row_gets_its_bits_at_any_row_count_from_either_kernel():
     """Each row quantized alone and summed in integers: a row's output does not depend on the rows beside it (a
     scale over the whole call would break it: the outlier row), nor on which kernel serves the call (vpdpbusd for
-    few rows, AMX's tiles for more where the CPU has them)."""
+    few rows, AMX's tiles for more where the CPU has them), nor on how far ahead the kernels prefetch."""
     torch.manual_seed(1)
     layer = W8A16Linear(nn.Linear(576, 1000).to(torch.bfloat16))
     x = torch.randn(21, 576, dtype=torch.bfloat16)
@@ -86,17 +86,19 @@ def test_a_row_gets_its_bits_at_any_row_count_from_either_kernel():
     try:
         outputs = []
         for code_rows in thresholds:
-            cpu_w8a16.set_vnni_rows(code_rows)
-            together = layer(x)
-            for i in (0, 3, 7, 20):
-                assert torch.equal(together[i : i + 1], layer(x[i : i + 1])), (
-                    f"row {i}, threshold {code_rows}"
-                )
-            for rows in (2, 3, 5, 8, 9, 16):
-                assert torch.equal(layer(x[:rows]), together[:rows]), f"{rows} rows, threshold {code_rows}"
-            outputs.append(together)
+            for ahead in (0, 2048, 64, 40000):
+                cpu_w8a16.set_vnni_rows(code_rows)
+                cpu_w8a16.set_prefetch(ahead)
+                setting = f"threshold {code_rows}, prefetch {ahead}"
+                together = layer(x)
+                for i in (0, 3, 7, 20):
+                    assert torch.equal(together[i : i + 1], layer(x[i : i + 1])), f"row {i}, {setting}"
+                for rows in (2, 3, 5, 8, 9, 16):
+                    assert torch.equal(layer(x[:rows]), together[:rows]), f"{rows} rows, {setting}"
+                outputs.append(together)
     finally:
         cpu_w8a16.set_vnni_rows(4)
+        cpu_w8a16.set_prefetch(2048)
     assert all(torch.equal(outputs[0], out) for out in outputs)
     torch.testing.assert_close(outputs[0].float(), reference(layer, x), rtol=1e-2, atol=1e-2)
 
