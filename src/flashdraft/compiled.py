@@ -146,6 +146,12 @@ def compile_options(device: torch.device, training: bool = False) -> dict[str, A
             # column as it sums it at any width); SmolLM2-135M bf16's verify of 1 / 4 / 8 tokens 3 / 6 / 10 % faster
             # on a 2-core EPYC (avx512_bf16), interleaved in one process (benchmarks/README.md, 2026-11-29)
             "cpp.enable_concat_linear": True,
+            # no check of each opaque call's output sizes and strides in the graph's Python wrapper (inductor's debug
+            # `size_asserts`: about 215 a SmolLM2-135M step, which pays its wrapper's Python once per call): the
+            # w8a16 verify of 1-8 tokens 4-8 % faster in one interleaved run on a 2-core Emerald Rapids Xeon, mixed
+            # (-4 to +7 %) in another (benchmarks/README.md, 2026-12-06). The operators' fake kernels, which give
+            # inductor those sizes, are what the equality tests of the compiled paths check.
+            "size_asserts": False,
             # the autotuning's tables of choices on stderr, at every compile: not for a user's terminal
             "autotune_num_choices_displayed": 0,
             "max_autotune_report_choices_stats": False,
