@@ -86,7 +86,7 @@ def test_a_row_gets_its_bits_at_any_row_count_from_either_kernel():
     try:
         outputs = []
         for code_rows in thresholds:
-            for ahead in (0, 2048, 64, 40000):
+            for ahead in (0, cpu_w8a16.PREFETCH, 64, 40000):
                 cpu_w8a16.set_vnni_rows(code_rows)
                 cpu_w8a16.set_prefetch(ahead)
                 setting = f"threshold {code_rows}, prefetch {ahead}"
@@ -98,7 +98,7 @@ def test_a_row_gets_its_bits_at_any_row_count_from_either_kernel():
                 outputs.append(together)
     finally:
         cpu_w8a16.set_vnni_rows(4)
-        cpu_w8a16.set_prefetch(2048)
+        cpu_w8a16.set_prefetch(cpu_w8a16.PREFETCH)
     assert all(torch.equal(outputs[0], out) for out in outputs)
     torch.testing.assert_close(outputs[0].float(), reference(layer, x), rtol=1e-2, atol=1e-2)
 

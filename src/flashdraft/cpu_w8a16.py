@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 # the packed layout's tile: 16 output columns x 64 inputs (64 bytes a quad of inputs)
 TILE_COLUMNS, TILE_INPUTS = 16, 64
 HALF = 32639  # a row's absmax maps here: 127 * 256 + 127, both halves int8
+PREFETCH = 2048  # bytes ahead in each weight stream the kernels prefetch, by default (`set_prefetch`)
 
 _SOURCE = r"""
 #include <torch/csrc/inductor/cpp_prefix.h>
@@ -54,7 +55,7 @@ _SOURCE = r"""
 namespace flashdraft_w8a16 {
 int vnni_rows = 4;   // code rows (two per input row) up to which vpdpbusd serves where AMX could
 bool amx = false;    // AMX's tiles granted to the process (flashdraft_w8a16_isa)
-int64_t prefetch = 2048;  // bytes ahead in each weight stream the kernels ask for (0: none)
+int64_t prefetch = @PREFETCH@;  // bytes ahead in each weight stream the kernels ask for (0: none)
 }
 
 // 0: no kernel in this build; 1: avx512_vnni; 2: avx512_vnni and AMX (`amx_granted`: the process may use its tiles)
@@ -338,7 +339,9 @@ def prepare() -> bool:
                 cpp_compile_command_flags = {"include_pytorch": True, "shared": True}
 
             _loaded = OperatorCodeCache.load(
-                _SOURCE.replace("@HALF@", str(HALF)), device_type="cpu", needs_vec_isa=True
+                _SOURCE.replace("@HALF@", str(HALF)).replace("@PREFETCH@", str(PREFETCH)),
+                device_type="cpu",
+                needs_vec_isa=True,
             )
             _isa = int(_loaded.flashdraft_w8a16_isa(int(torch.cpu._init_amx())))
         except Exception as err:  # noqa: BLE001 - any build failure means: no kernel, the scheme refused
@@ -362,8 +365,8 @@ def set_vnni_rows(code_rows: int) -> None:
 
 
 def set_prefetch(distance: int) -> None:
-    """Bytes ahead in each weight stream the kernels prefetch (2048, the default; 0: none); for benchmarks: the bits
-    do not depend on it."""
+    """Bytes ahead in each weight stream the kernels prefetch (PREFETCH by default; 0: none); for benchmarks: the
+    bits do not depend on it."""
     if _loaded is not None:
         _loaded.flashdraft_w8a16_prefetch(int(distance))
 
