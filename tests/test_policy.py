@@ -13,7 +13,7 @@ from flashdraft.costs import CostModel
 from flashdraft.engine import BatchDecoder
 from flashdraft.generate import run
 from flashdraft.kv_cache import bucket
-from flashdraft.lookup import prompt_lookup
+from flashdraft.lookup import LookupIndex, prompt_lookup
 from flashdraft.measure import measure_costs
 from flashdraft.policy import AcceptanceTable, best_verify_length, expected_tokens
 from flashdraft.sampling import SamplingParams
@@ -103,6 +103,33 @@ def test_prompt_lookup_takes_the_latest_longest_match():
     tokens = [5, 6, 7, 1, 2, 5, 6, 7, 3, 4, 9, 6, 7]
     assert prompt_lookup(tokens, 3) == ([3, 4, 9], 2)  # "6 7" last seen at 6..7, followed by 3 4 9
     assert prompt_lookup([1, 2, 3], 4) == ([], 0)
+
+
+@pytest.mark.parametrize("window", [4096, 9, 3])
+def test_the_lookup_index_answers_what_the_scan_answers_as_the_text_grows(window):
+    """A row's history grows by a token or a few at a time (a step's accepted tokens); at every length the index's
+    proposal and n-gram size are the scan's, within the window too, and for a list shorter than the one it indexed
+    (another row's) it starts again. Past a few windows it drops the starts out of the window, and keeps answering
+    alike."""
+    rng = torch.Generator().manual_seed(window)
+    for case in range(40):
+        vocab = 2 + case % 5  # few distinct tokens: matches of every n-gram size, often many of them
+        history: list[int] = []
+        index = LookupIndex(history, max_ngram=3, window=window)
+        while len(history) < 60 + 3 * window * (window < 100):
+            grow = int(torch.randint(1, 5, (1,), generator=rng))
+            history.extend(torch.randint(0, vocab, (grow,), generator=rng).tolist())
+            for max_tokens in (0, 1, 4):
+                assert index.lookup(max_tokens) == prompt_lookup(history, max_tokens, 3, window), case
+        shorter = history[:7]
+        index.tokens = shorter
+        assert index.lookup(4) == prompt_lookup(shorter, 4, 3, window)
+    distinct: list[int] = []  # every n-gram new: what the index holds is bounded by the window alone
+    index = LookupIndex(distinct, max_ngram=3, window=window)
+    for token in range(min(10 * window, 5000)):
+        distinct.append(token)
+        assert index.lookup(4) == ([], 0)
+        assert len(index.latest) <= 3 * 2 * window  # n-grams of 3 sizes starting in the last 2 windows
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from .compiled_draft import draft_block_pass, draft_context_pass, draft_head
 from .costs import CostModel, ObservedCosts
 from .grammar import steer_drafts
 from .kv_cache import CAPACITY_STEP, uses_static_cache
-from .lookup import lookup_with_key
+from .lookup import LookupIndex
 from .model import PAD_POSITION, DFlashDraftModel, DraftContextCache
 from .policy import expected_tokens
 from .proposers import BatchProposer, DFlashProposer, Paths
@@ -151,6 +151,7 @@ class BatchedDFlashProposer(BatchProposer):
         # row's pile grows by one step's tokens a step, and may grow for dozens of steps while drafting is skipped)
         self.pending: list[list[torch.Tensor]] = []
         self.counts: list[dict[str, int]] = []
+        self.lookups: list[LookupIndex] = []  # per row: prompt lookup over its history
         self._last: list[tuple[str, torch.Tensor] | None] = []
         self._q: list[torch.Tensor | None] = []  # per row: the sampled drafts' distributions of this step
         self._drafted_q: list[torch.Tensor | None] = []  # per row: those of the last draft pass
@@ -186,6 +187,7 @@ class BatchedDFlashProposer(BatchProposer):
         self.absorbed.append(0)
         self.pending.append([features[0]])
         self.counts.append({"dflash": 0, "lookup": 0, "grammar": 0, "plain": 0})
+        self.lookups.append(LookupIndex(row.history))
         self._last.append(None)
         self._q.append(None)
         self._trees.append(None)
@@ -195,7 +197,7 @@ class BatchedDFlashProposer(BatchProposer):
         self.cache.select_rows(keep)
         if not keep:
             self.cache = self._new_cache()
-        for name in ("absorbed", "pending", "counts", "_last", "_q", "_trees", "tree_steps"):
+        for name in ("absorbed", "pending", "counts", "lookups", "_last", "_q", "_trees", "tree_steps"):
             old = getattr(self, name)
             setattr(self, name, [old[i] for i in keep])
         self._compact()
@@ -391,14 +393,14 @@ class BatchedDFlashProposer(BatchProposer):
 
     # -------------------------------------------------------------- the policy
     def _free_proposal(
-        self, row: BatchRow, max_tokens: int
+        self, row: BatchRow, lookup: LookupIndex, max_tokens: int
     ) -> tuple[str, list[int], torch.Tensor, torch.Tensor]:
         """A row's proposal that costs no draft pass: (source, tokens, keys, expected tokens by proposals verified).
         Its lookup match, or for a constrained row the text its grammar forces next if that is expected to give
         more."""
         proposal, start = [], 0
         if self.use_lookup and max_tokens > 0:
-            proposal, start = lookup_with_key(row.history, max_tokens)
+            proposal, start = lookup.with_key(max_tokens)
         keys, expected = self.calibration.lookup.run(start, len(proposal))
         if row.grammar is not None and self.jump_forward and max_tokens > 0:
             t0 = time.perf_counter()
@@ -470,7 +472,10 @@ class BatchedDFlashProposer(BatchProposer):
         plain = self._padded(torch.ones(1, dtype=torch.long))
         plain_rate = b / float(self.prices.verify_s(b, plain, context))
         # Free proposals (lookup matches, forced text): the rate of verifying them alone, without a draft pass.
-        free = [self._free_proposal(row, m) for row, m in zip(rows, max_drafts, strict=True)]
+        free = [
+            self._free_proposal(row, lookup, m)
+            for row, lookup, m in zip(rows, self.lookups, max_drafts, strict=True)
+        ]
         longest_free = max(len(f[1]) for f in free)
         free_n, free_rate = (
             self._batch_rate([f[3] for f in free], 0.0, context, min(top, longest_free))
