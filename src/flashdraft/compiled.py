@@ -32,11 +32,15 @@ compile: on a CPU the frozen graphs are cached under a hash of their weights (`f
 copy of the weights, which inductor cannot cache (`_no_onednn_prepack`); a second start still traces them (122-153 s
 against 268 s for SmolLM2-135M with its drafter in fp32 on a 2-core EPYC). `$FLASHDRAFT_COMPILE` (a JSON object of
 torch.compile's keywords) replaces the options on either device.
+
+On a CPU a `--quantize w8a16` target's Llama-style decoder layers each run as one operator in the graph
+(cpu_decoder_layer.py), where inductor's graph of the model's own layer made eight calls.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import warnings
 from collections.abc import Sequence
@@ -80,7 +84,17 @@ def compile_verify(target: Any) -> str | None:
         target.model, target.dtype, target.device, compiled=True
     ):  # before anything is traced
         attention.use(target.model, target.dtype)
+    if target.quantize == "w8a16" and target.device.type == "cpu" and fused_layers_wanted():
+        from . import cpu_decoder_layer
+
+        cpu_decoder_layer.fuse(target.model)  # a decode step's layer in one call each (its docstring)
     return None
+
+
+def fused_layers_wanted() -> bool:
+    """Whether a compiled w8a16 target's layers run as cpu_decoder_layer.py's operator: unless
+    `$FLASHDRAFT_FUSED_LAYERS` is 0 (inductor's graph of the model's own layers, as before 2026-12-06)."""
+    return os.environ.get("FLASHDRAFT_FUSED_LAYERS", "1") != "0"
 
 
 def _w8a8_refusal(options: dict[str, Any]) -> str | None:
@@ -248,9 +262,10 @@ def _unrecorded_cache_artifacts() -> Any:
 
 
 def kernels_tag() -> str:
-    """A hash of this file, compiled_draft.py, cpu_gemm.py, attention.py, cpu_attention.py and cpu_w8a16.py: the
-    kernels chosen or written there (GEMM choices, register blocks, micro-kernels, the attention, w8a16's operator,
-    the drafter's graphs), which the graphs frozen in inductor's cache and the cost model's prices depend on."""
+    """A hash of this file, compiled_draft.py, cpu_gemm.py, attention.py, cpu_attention.py, cpu_w8a16.py and
+    cpu_decoder_layer.py: the kernels chosen or written there (GEMM choices, register blocks, micro-kernels, the
+    attention, w8a16's operator, the fused layer, the drafter's graphs), which the graphs frozen in inductor's cache
+    and the cost model's prices depend on."""
     import hashlib
     from pathlib import Path
 
@@ -262,8 +277,10 @@ def kernels_tag() -> str:
         "attention.py",
         "cpu_attention.py",
         "cpu_w8a16.py",
+        "cpu_decoder_layer.py",
     ):
         digest.update((Path(__file__).parent / name).read_bytes())
+    digest.update(str(fused_layers_wanted()).encode())
     digest.update(repr(sorted(getattr(register_cpu_gemm_kernels, "without", ()))).encode())  # a benchmark's
     digest.update(repr(bf16_rows_kernel()).encode())  # AMX or the pair kernel (`cpu_gemm.serving_bf16_rows`)
     return digest.hexdigest()[:8]
