@@ -21,19 +21,17 @@ The operator's CPU implementation is C++ too (`TORCH_LIBRARY_IMPL`, registered a
 graph's call goes from the dispatcher straight to the kernel: through a Python implementation each call cost 7-30 us
 more (a 2-core EPYC, one query over 64 columns: warm, after a GEMM, after a pause), 30 calls a decode step of
 SmolLM2-135M (the int8 one-token verify 9.36 -> 8.90 ms, benchmarks/README.md). One library for both dtypes,
-compiled with inductor's compiler, flags and vector ISA and linked to libtorch (`CppCodeCache`, cached on disk as
-inductor's kernels are) on first use, about 20 s.
+compiled with inductor's compiler, flags and vector ISA and linked to libtorch (cpp_library.py: cached on disk
+as inductor's kernels are) on first use, about 20 s.
 """
 
 from __future__ import annotations
 
-import inspect
-import logging
 from typing import Any
 
 import torch
 
-log = logging.getLogger(__name__)
+from . import cpp_library
 
 # the engine's dtype (attention.KERNEL_DTYPES), and the tests'
 DTYPES = {torch.bfloat16: "at::BFloat16", torch.float32: "float"}
@@ -396,27 +394,8 @@ def prepare(dtype: torch.dtype) -> bool:
     another torch): attention.py then keeps its two products."""
     global _built, _loaded
     if _built is None:
-        _built = False
-        try:
-            from torch._inductor.codecache import CppCodeCache
-
-            # inductor's C++ cache, with libtorch's headers and libraries
-            class OperatorCodeCache(CppCodeCache):
-                cache: dict[str, Any] = {}
-                cache_clear = staticmethod(cache.clear)
-                cpp_compile_command_flags = {"include_pytorch": True, "shared": True}
-
-            # torch 2.13 infers the vector ISA's flags from the source unless told; 2.11 has no such keyword
-            # (the kernel did not build there, and trees were refused: an H200 machine's torch, 2026-11-29)
-            told = "needs_vec_isa" in inspect.signature(CppCodeCache.load_async).parameters
-            vec = {"needs_vec_isa": True} if told else {}
-            _loaded = OperatorCodeCache.load(source(), device_type="cpu", **vec)
-            _built = True
-        except Exception as err:  # noqa: BLE001 - any build failure means: the products, as before
-            log.warning(
-                "flashdraft: the CPU attention kernel did not build (%s); using two products",
-                str(err).splitlines()[0] if str(err) else type(err).__name__,
-            )
+        _loaded = cpp_library.load(source(), "the CPU attention kernel (using two products)")
+        _built = _loaded is not None
     return ready(dtype)
 
 

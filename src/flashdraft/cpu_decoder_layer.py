@@ -20,7 +20,7 @@ Each step's result for a row depends on that row alone (the products are exact i
 do not depend on the rows beside it), so a verify of n tokens gives each token the bits of a one-token step and
 DFlash stays plain decoding bit for bit. Each tensor the layer stores is rounded to bf16 once, from fp32, but its
 sums run in other orders than those of inductor's graph of the unfused layer, so the two give other bits
-(SmolLM2-135M: the drafter's features 4.3 % from the fp32 model's either way, benchmarks/README.md): the layer is
+(SmolLM2-135M: the drafter's features about 4 % from the fp32 model's either way, benchmarks/README.md): the layer is
 used alike by every decode step of a target (`fuse`, at `--compile`), never for some steps and not others.
 
 `fuse` joins a layer's q / k / v weights (and gate / up) into one packed weight; the layers' own buffers become
@@ -32,16 +32,13 @@ kernel's, a partial rotary, a mask it cannot read.
 
 from __future__ import annotations
 
-import logging
 import types
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import attention, cpu_attention, cpu_w8a16
-
-log = logging.getLogger(__name__)
+from . import attention, cpp_library, cpu_attention, cpu_w8a16
 
 # transformers' layer classes whose forward is the pre-norm layer above (their attention: q / k / v / o, optionally
 # q_norm / k_norm over each head; their MLP: gate / up / down)
@@ -285,21 +282,8 @@ def prepare() -> bool:
         _built = False
         if not (cpu_w8a16.prepare() and cpu_attention.prepare(torch.bfloat16)):
             return False
-        try:
-            from torch._inductor.codecache import CppCodeCache
-
-            class OperatorCodeCache(CppCodeCache):
-                cache: dict[str, Any] = {}
-                cache_clear = staticmethod(cache.clear)
-                cpp_compile_command_flags = {"include_pytorch": True, "shared": True}
-
-            _loaded = OperatorCodeCache.load(_SOURCE, device_type="cpu", needs_vec_isa=True)
-            _built = True
-        except Exception as err:  # noqa: BLE001 - any build failure means: the layers' own forward, as before
-            log.warning(
-                "flashdraft: the fused decoder layer did not build (%s)",
-                str(err).splitlines()[0] if str(err) else type(err).__name__,
-            )
+        _loaded = cpp_library.load(_SOURCE, "the fused decoder layer")
+        _built = _loaded is not None
     return bool(_built)
 
 

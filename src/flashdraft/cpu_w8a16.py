@@ -17,18 +17,17 @@ Two kernels, one layout (`pack`: the weight in tiles of 16 columns x 64 inputs, 
 64-byte line). Few rows: avx512_vnni's `vpdpbusd` (unsigned codes, code + 128, times signed weights; 128 times the
 column's sum taken back after), the weights streamed through vector registers. More rows, on CPUs with AMX:
 `tdpbssd` on tiles of 16 code rows. Integer sums are exact, so both give every row the same bits at any row count.
-The library builds with inductor's compiler and flags (`CppCodeCache`, cached on disk) on first use; a CPU without
+The library builds with inductor's compiler and flags (cpp_library.py, cached on disk) on first use; a CPU without
 avx512_vnni gets no kernel (`available`), and `--quantize w8a16` is refused there in one line (quantize.py).
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
-log = logging.getLogger(__name__)
+from . import cpp_library
 
 # the packed layout's tile: 16 output columns x 64 inputs (64 bytes a quad of inputs)
 TILE_COLUMNS, TILE_INPUTS = 16, 64
@@ -330,25 +329,11 @@ def prepare() -> bool:
         _isa = 0
         if not torch.cpu._is_vnni_supported():
             return False
-        try:
-            from torch._inductor.codecache import CppCodeCache
-
-            class OperatorCodeCache(CppCodeCache):
-                cache: dict[str, Any] = {}
-                cache_clear = staticmethod(cache.clear)
-                cpp_compile_command_flags = {"include_pytorch": True, "shared": True}
-
-            _loaded = OperatorCodeCache.load(
-                _SOURCE.replace("@HALF@", str(HALF)).replace("@PREFETCH@", str(PREFETCH)),
-                device_type="cpu",
-                needs_vec_isa=True,
-            )
+        _loaded = cpp_library.load(
+            _SOURCE.replace("@HALF@", str(HALF)).replace("@PREFETCH@", str(PREFETCH)), "the w8a16 kernel"
+        )
+        if _loaded is not None:
             _isa = int(_loaded.flashdraft_w8a16_isa(int(torch.cpu._init_amx())))
-        except Exception as err:  # noqa: BLE001 - any build failure means: no kernel, the scheme refused
-            log.warning(
-                "flashdraft: the w8a16 kernel did not build (%s)",
-                str(err).splitlines()[0] if str(err) else type(err).__name__,
-            )
     return _isa > 0
 
 
