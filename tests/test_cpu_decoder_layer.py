@@ -137,7 +137,8 @@ def test_the_joined_weights_are_the_layers_own_memory():
 
 
 def test_layers_the_operator_cannot_run_keep_their_own_forward():
-    """Another activation (gelu), another family (gemma3): not fused, and decoding stays plain decoding."""
+    """Another activation (gelu), another family (gemma3), a head norm in fp32: not fused, and decoding stays plain
+    decoding."""
     model = tiny_model("llama", seed=2, hidden_act="gelu").to(torch.bfloat16)
     quantize(model, "w8a16")
     assert cpu_decoder_layer.refusal(model.model.layers[0]) == "the activation GELUActivation"
@@ -145,6 +146,11 @@ def test_layers_the_operator_cannot_run_keep_their_own_forward():
     gemma = tiny_model("gemma3", seed=2).to(torch.bfloat16)
     quantize(gemma, "w8a16")
     assert cpu_decoder_layer.refusal(gemma.model.layers[0]) == "a Gemma3DecoderLayer"
+    qwen3 = tiny_model("qwen3", seed=2).to(torch.bfloat16)
+    quantize(qwen3, "w8a16")
+    assert cpu_decoder_layer.refusal(qwen3.model.layers[0]) is None
+    qwen3.model.layers[0].self_attn.k_norm.float()
+    assert cpu_decoder_layer.refusal(qwen3.model.layers[0]) == "norms without bf16 weights"
     target = Target(model)
     target.static_cache = True
     attention.use(model, torch.bfloat16)

@@ -324,7 +324,8 @@ def refusal(layer: nn.Module) -> str | None:
     act = type(getattr(mlp, "act_fn", None)).__name__
     if act not in ("SiLU", "SiLUActivation"):  # torch's, transformers' (ACT2FN["silu"])
         return f"the activation {act}"
-    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+    head_norms = [getattr(attn, n) for n in ("q_norm", "k_norm") if getattr(attn, n, None) is not None]
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm, *head_norms):
         if getattr(norm, "weight", None) is None or norm.weight.dtype != torch.bfloat16:
             return "norms without bf16 weights"
     d, heads, kv_heads = attn.head_dim, attn.config.num_attention_heads, attn.config.num_key_value_heads
