@@ -399,9 +399,8 @@ def _forward(
         and hidden_states.dim() == 3
         and hidden_states.dtype == torch.bfloat16
         and hidden_states.shape[1] <= attention.SHORT_QUERY
-        and isinstance(attention_mask, torch.Tensor)
-        and attention_mask.dim() == 4
-        and attention_mask.dtype in (torch.bool, torch.bfloat16)
+        and attention_mask is not None  # the static cache's mask, which the attention kernel reads
+        and attention.kernel_serves(attn, hidden_states, attention_mask, hidden_states.shape[1])
         and cos is not None
         and cos.dtype == torch.bfloat16
         and cos.shape[-1] == attn.head_dim
