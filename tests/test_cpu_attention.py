@@ -18,6 +18,16 @@ def built():
         assert cpu_attention.prepare(dtype), f"the kernel for {dtype} did not build"
 
 
+@pytest.fixture(params=["vectors", "tiles"])
+def scores(request):
+    """The scores' two ways (both on a CPU with AMX; elsewhere the vectors'): vector FMAs, or AMX's tiles. The
+    process's default is restored after the test."""
+    if not cpu_attention.set_tiles(request.param == "tiles") and request.param == "tiles":
+        pytest.skip("no AMX tiles on this CPU")
+    yield request.param
+    cpu_attention.set_tiles(cpu_attention.tiles_wanted())
+
+
 def reference(q, k, v, mask, scale):
     """fp32 attention with the grouped heads repeated: q [b, h, n, d] -> [b, n, h, dv]."""
     b, h, n, _ = q.shape
@@ -50,7 +60,7 @@ def added(sees: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("d", "dv"), WIDTHS)
 @pytest.mark.parametrize("form", ["bool", "added", "none"])
-def test_the_kernel_gives_attention_s_values(dtype, d, dv, form):
+def test_the_kernel_gives_attention_s_values(dtype, d, dv, form, scores):
     """Two rows, 8 query heads on 2 KV heads, 5 queries over 203 of 300 cached columns (a width that is no multiple
     of the 16-column blocks), a random mask with one column seen per query at least."""
     q, k, v = qkv(2, 8, 2, 5, 300, d, dv, dtype)
@@ -63,10 +73,23 @@ def test_the_kernel_gives_attention_s_values(dtype, d, dv, form):
 
 
 @pytest.mark.parametrize(("d", "dv"), WIDTHS)
-def test_a_row_keeps_its_bits_at_any_width_with_any_rows_beside_it(d, dv):
+def test_keys_and_values_are_read_in_place_from_wider_columns(d, dv, scores):
+    """Keys and values whose columns lie further apart than their heads' widths (views of wider buffers, as a joined
+    projection's output is), over 61 columns (a last block of 13): the same values as their contiguous copies."""
+    q, _, _ = qkv(1, 6, 2, 4, 61, d, dv, torch.bfloat16, seed=5)
+    g = torch.Generator().manual_seed(6)
+    k = torch.randn(1, 2, 61, d + 48, generator=g).bfloat16()[..., 16 : 16 + d]
+    v = torch.randn(1, 2, 61, dv + 32, generator=g).bfloat16()[..., :dv]
+    got = cpu_attention.short_attention(q, k, v, None, 0.125)
+    assert torch.equal(got, cpu_attention.short_attention(q, k.contiguous(), v.contiguous(), None, 0.125))
+    torch.testing.assert_close(got.float(), reference(q, k, v, None, 0.125), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(("d", "dv"), WIDTHS)
+def test_a_row_keeps_its_bits_at_any_width_with_any_rows_beside_it(d, dv, scores):
     """bf16, 9 query heads on 3 KV heads: each of 16 causal queries alone (one query, the mask as narrow as the
     columns in use, rounded up as the engine rounds it) gets the bits it gets among all 16 under a mask twice as
-    wide, and in a batch of two rows."""
+    wide, and in a batch of two rows; with the scores on AMX's tiles too (16 query rows a block there)."""
     dtype = torch.bfloat16
     q, k, v = qkv(1, 9, 3, 16, 512, d, dv, dtype, seed=2)
     cached = 133
@@ -91,7 +114,7 @@ def test_a_row_keeps_its_bits_at_any_width_with_any_rows_beside_it(d, dv):
         assert torch.equal(alone[0, 0], batch[1, i]), f"query {i} in a batch"
 
 
-def test_a_tree_node_gets_the_bits_of_its_path_alone():
+def test_a_tree_node_gets_the_bits_of_its_path_alone(scores):
     """A draft tree's block: nodes at columns after the cache, each seeing the cache, its ancestors and itself, its
     siblings' columns (other values) hidden in between. Every node's result equals the one-query result over the
     cache and its path laid out contiguously: hidden columns add nothing, wherever they fall."""

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from . import cpu_attention
 from .cpu_gemm import bf16_rows_kernel, register_cpu_gemm_kernels
 from .kv_cache import kv_layers, static_refusal, symbolic_sizes
 from .sampling import non_finite_rows
@@ -281,6 +282,7 @@ def kernels_tag() -> str:
     ):
         digest.update((Path(__file__).parent / name).read_bytes())
     digest.update(str(fused_layers_wanted()).encode())
+    digest.update(str(cpu_attention.tiles_wanted()).encode())  # AMX's scores or the vectors'
     digest.update(repr(sorted(getattr(register_cpu_gemm_kernels, "without", ()))).encode())  # a benchmark's
     digest.update(repr(bf16_rows_kernel()).encode())  # AMX or the pair kernel (`cpu_gemm.serving_bf16_rows`)
     return digest.hexdigest()[:8]

@@ -17,6 +17,15 @@ stale columns of rejected drafts in between, and whatever other rows are in the 
 each the bits of the one-token step, and a draft tree's node (its ancestors earlier columns than it, siblings
 hidden) the bits it gets on its own path (tests/test_cpu_attention.py).
 
+On a CPU with AMX, bf16 scores go to its tiles (`tdpbf16ps`): the keys of 16 columns a tile's rows, read from the
+cache in place, and up to 16 query rows its columns, so a score is a function of its query row and key column alone,
+whatever the width or the rows beside it. The softmax and the values' sums stay the vector loops' above: AMX sums a
+block of 32 products in an order of its own (not the columns' order one product at a time: a probe put its sums at
+the sequential ones' in a third of the cases), so values summed there would give a column's weight other bits
+where a draft tree moves it among hidden columns, and a one-token step (too few rows to pay for the values' pairing)
+could not keep a verify's bits. SmolLM2-135M's heads on a 2-core Emerald Rapids Xeon: 1.3-1.5x faster at 4-16
+queries, the same at one (benchmarks/README.md, 2026-12-06). `$FLASHDRAFT_ATTENTION_TILES=0` keeps the vectors.
+
 The operator's CPU implementation is C++ too (`TORCH_LIBRARY_IMPL`, registered as the library loads), so a compiled
 graph's call goes from the dispatcher straight to the kernel: through a Python implementation each call cost 7-30 us
 more (a 2-core EPYC, one query over 64 columns: warm, after a GEMM, after a pause), 30 calls a decode step of
@@ -52,6 +61,76 @@ _HEADER = r"""
 #include <limits>
 #include <optional>
 #include <vector>
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define ATTENTION_AMX 1
+#endif
+
+namespace flashdraft_attention {
+bool amx = false;  // bf16 scores on AMX's tiles (flashdraft_attention_amx): set once, before any call
+}
+
+// Whether bf16 scores go to AMX from now on (`granted`: the process may use its tiles); whether they do.
+extern "C" int flashdraft_attention_amx(int granted) {
+#ifdef ATTENTION_AMX
+  flashdraft_attention::amx = granted != 0;
+#endif
+  return flashdraft_attention::amx ? 1 : 0;
+}
+
+#ifdef ATTENTION_AMX
+namespace flashdraft_attention {
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-2 as 16 rows of 64 bytes (the caller releases them).
+inline void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 3; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+}
+
+// The raw scores q_r . k_j (fp32) of up to 16 query rows of one KV head against columns [0, width), into
+// s[r * s_row + j] (16 columns at a time; past width, zeros). One `tdpbf16ps` per 32 head dimensions with the keys as
+// the tile's rows, read from the cache in place, and the queries as its columns: a score is a function of its query
+// row and key column alone, whatever the rows, columns or width beside it. d: a multiple of 32, up to 256.
+inline void amx_scores(const at::BFloat16* const* q, int64_t rows, const at::BFloat16* k, int64_t width, int64_t d,
+                       int64_t k_col, float* s, int64_t s_row) {
+  alignas(64) uint32_t qt[8 * 256];      // the queries in pairs: [d / 32][16 pairs][16 rows]
+  alignas(64) at::BFloat16 pad[16 * 256];  // the last block's keys, zeros past the last column
+  alignas(64) float c[16 * 16];           // [key][query row]
+  const int64_t chunks = d / 32;
+  std::fill(qt, qt + chunks * 256, 0u);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint32_t* qr = reinterpret_cast<const uint32_t*>(q[r]);
+    for (int64_t p = 0; p < d / 2; ++p) qt[(p / 16) * 256 + (p % 16) * 16 + r] = qr[p];
+  }
+  const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  for (int64_t j = 0; j < width; j += 16) {
+    const int64_t count = std::min<int64_t>(16, width - j);
+    const at::BFloat16* a = k + j * k_col;
+    int64_t stride = k_col * 2;
+    if (count < 16) {
+      std::fill(pad, pad + 16 * d, at::BFloat16(0.f));
+      for (int64_t x = 0; x < count; ++x) std::copy(a + x * k_col, a + x * k_col + d, pad + x * d);
+      a = pad, stride = d * 2;
+    }
+    _tile_zero(0);
+    for (int64_t h = 0; h < chunks; ++h) {
+      _tile_loadd(1, a + h * 32, stride);
+      _tile_loadd(2, qt + h * 256, 64);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, c, 64);
+    for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(s + r * s_row + j, _mm512_i32gather_ps(column, c + r, 4));
+  }
+}
+
+}  // namespace flashdraft_attention
+#endif
 """
 
 _KERNEL = r"""
@@ -166,6 +245,9 @@ inline __m512 masked(const Added& m, int64_t j, int64_t count, __m512 x) {
   return _mm512_mask_blend_ps(sees & real(count), _mm512_set1_ps(NEG_INF), _mm512_add_ps(x, add));
 }
 
+template <int64_t NV, int64_t QB>
+void weigh_rows(T* const* out, int64_t rows, const T* v, int64_t width, int64_t v_col, float* s, int64_t s_row);
+
 // Rows of one KV head's queries (up to QB) at once, sharing each key and value column; head dimensions of ND and
 // NV whole vectors. A row's arithmetic does not depend on the others in the block or on where its columns fall.
 template <int64_t ND, int64_t NV, int64_t QB, typename Sees>
@@ -195,6 +277,13 @@ void attend_rows(const T* const* q, T* const* out, const Sees* sees, int64_t row
       _mm512_storeu_ps(s + r * s_row + j, masked(sees[r], j, count, x));
     }
   }
+  weigh_rows<NV, QB>(out, rows, v, width, v_col, s, s_row);
+}
+
+// The softmax of up to QB rows of scores (s, masked: -inf where hidden, stored 16 columns at a time) and their values'
+// sums over the columns in order, one column at a time, a column no row weighs skipped.
+template <int64_t NV, int64_t QB>
+void weigh_rows(T* const* out, int64_t rows, const T* v, int64_t width, int64_t v_col, float* s, int64_t s_row) {
   float top[QB], total[QB];
 #pragma GCC unroll 4
   for (int64_t r = 0; r < QB; ++r) {
@@ -245,6 +334,28 @@ void attend_rows(const T* const* q, T* const* out, const Sees* sees, int64_t row
       store(out[r] + c * L, top[r] == NEG_INF ? Vec(0.f) : Vec(_mm512_div_ps(acc[r * NV + c], inv)), L);
   }
 }
+
+#ifdef ATTENTION_AMX
+// Up to 16 rows of one KV head's queries (bf16): the scores on AMX's tiles (`amx_scores`), scaled and masked as
+// attend_rows's, then weigh_rows four rows at a time.
+template <int64_t NV, typename Sees>
+void attend_amx(const T* const* q, T* const* out, const Sees* sees, int64_t rows, const T* k, const T* v,
+                int64_t width, int64_t d, int64_t k_col, int64_t v_col, float scale, float* s, int64_t s_row) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    using B = const at::BFloat16;  // (T is bf16 here; the casts only let the fp32 kernel's copy compile)
+    flashdraft_attention::amx_scores(reinterpret_cast<B* const*>(q), rows, reinterpret_cast<B*>(k), width, d, k_col,
+                                     s, s_row);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < width; j += 16) {
+        float* sr = s + r * s_row + j;
+        const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sr), _mm512_set1_ps(scale));
+        _mm512_storeu_ps(sr, masked(sees[r], j, std::min<int64_t>(16, width - j), x));
+      }
+    for (int64_t r = 0; r < rows; r += 4)
+      weigh_rows<NV, 4>(out + r, std::min<int64_t>(4, rows - r), v, width, v_col, s + r * s_row, s_row);
+  }
+}
+#endif
 #endif
 }  // namespace
 
@@ -257,15 +368,20 @@ void kernel(const T* q, const T* k, const T* v, const void* mask, T* out, int64_
             int64_t q_head, int64_t q_tok, int64_t k_row, int64_t k_head, int64_t k_col, int64_t v_row,
             int64_t v_head, int64_t v_col, int64_t mask_kind, int64_t m_row, int64_t m_head,
             int64_t m_tok, float scale) {
-  constexpr int64_t MAX_QB = 4;
+  constexpr int64_t MAX_QB = 16;
   const int64_t groups = heads / kv_heads, rows = n * groups;
 #if defined(CPU_CAPABILITY_AVX512)
   const bool fast64 = d == 64 && dv == 64, fast128 = d == 128 && dv == 128;
 #else
   const bool fast64 = false, fast128 = false;
 #endif
-  // rows per block: as many as the registers hold, fewer where that leaves a thread without work
-  int64_t qb = fast64 ? 4 : fast128 ? 2 : 1;
+#if defined(ATTENTION_AMX)
+  const bool tiles = std::is_same_v<T, at::BFloat16> && flashdraft_attention::amx && (fast64 || fast128);
+#else
+  constexpr bool tiles = false;
+#endif
+  // rows per block: as many as the registers (or a tile) hold, fewer where that leaves a thread without work
+  int64_t qb = tiles ? 16 : fast64 ? 4 : fast128 ? 2 : 1;
   const int64_t threads = omp_get_max_threads();
   while (qb > 1 && batch * kv_heads * ((rows + qb - 1) / qb) < 2 * threads) qb /= 2;
   const int64_t blocks = (rows + qb - 1) / qb, units = batch * kv_heads * blocks;
@@ -273,7 +389,12 @@ void kernel(const T* q, const T* k, const T* v, const void* mask, T* out, int64_
   const bool parallel = units > 1 && batch * kv_heads * rows * width * (d + dv) >= 65536;
 #pragma omp parallel if (parallel)
   {
-    std::vector<float> qf(padded, 0.f), s(MAX_QB * s_row), acc(padded, 0.f), kf(16 * 128);
+    std::vector<float> qf(padded, 0.f), acc(padded, 0.f), kf(16 * 128);
+    thread_local std::vector<float> s;  // the scores of a block's rows (kept: 16 rows of a long width run past 128 KiB)
+    if (static_cast<int64_t>(s.size()) < MAX_QB * s_row) s.resize(MAX_QB * s_row);
+#if defined(ATTENTION_AMX)
+    if (tiles) flashdraft_attention::configure_tiles();
+#endif
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < units; ++u) {
       const int64_t blk = u % blocks, kh = (u / blocks) % kv_heads, r = u / (blocks * kv_heads);
@@ -293,6 +414,11 @@ void kernel(const T* q, const T* k, const T* v, const void* mask, T* out, int64_
         using Sees = decltype(make(0));
         Sees sees[MAX_QB];
         for (int64_t x = 0; x < count; ++x) sees[x] = make(x);
+#if defined(ATTENTION_AMX)
+        if (tiles && fast64) attend_amx<4>(qs, os, sees, count, kr, vr, width, d, k_col, v_col, scale, s.data(), s_row);
+        else if (tiles) attend_amx<8>(qs, os, sees, count, kr, vr, width, d, k_col, v_col, scale, s.data(), s_row);
+        else
+#endif
 #if defined(CPU_CAPABILITY_AVX512)
         if (fast64 && qb == 4) attend_rows<4, 4, 4>(qs, os, sees, count, kr, vr, width, k_col, v_col, scale, s.data(), s_row, kf.data());
         else if (fast64 && qb == 2) attend_rows<4, 4, 2>(qs, os, sees, count, kr, vr, width, k_col, v_col, scale, s.data(), s_row, kf.data());
@@ -308,6 +434,9 @@ void kernel(const T* q, const T* k, const T* v, const void* mask, T* out, int64_
       else if (mask_kind == 2) run([&](int64_t x) { return Added{static_cast<const T*>(mask) + m_at[x]}; });
       else run([&](int64_t x) { return Causal{last + (first + x) / groups}; });
     }
+#if defined(ATTENTION_AMX)
+    if (tiles) _tile_release();
+#endif
   }
 }
 """
@@ -373,6 +502,7 @@ _library.define(
 # None: not tried yet; then whether the library built (its loading registered the CPU kernel)
 _built: bool | None = None
 _loaded: Any = None  # the loaded library (kept, so it stays loaded)
+_tiles = False  # whether bf16 scores run on AMX's tiles (`prepare`)
 
 
 def source() -> str:
@@ -392,11 +522,36 @@ def prepare(dtype: torch.dtype) -> bool:
     """Build (or load from inductor's cache) the library, whose loading registers the operator's CPU kernel, outside
     any graph being traced; False for a dtype it has no kernel for, or where it cannot be built (no C++ compiler,
     another torch): attention.py then keeps its two products."""
-    global _built, _loaded
+    global _built, _loaded, _tiles
     if _built is None:
         _loaded = cpp_library.load(source(), "the CPU attention kernel (using two products)")
         _built = _loaded is not None
+        if _built:
+            _tiles = bool(_loaded.flashdraft_attention_amx(int(tiles_wanted() and torch.cpu._init_amx())))
     return ready(dtype)
+
+
+def tiles_wanted() -> bool:
+    """Whether bf16 scores may go to AMX's tiles where the CPU has them: unless `$FLASHDRAFT_ATTENTION_TILES` is
+    "0" (read once, as the library loads: a process's calls all score alike)."""
+    import os
+
+    return os.environ.get("FLASHDRAFT_ATTENTION_TILES", "1") != "0"
+
+
+def tiles() -> bool:
+    """Whether bf16 scores run on AMX's tiles in this process (`prepare` first)."""
+    return _tiles
+
+
+def set_tiles(on: bool) -> bool:
+    """For tests and benchmarks: score bf16 on AMX's tiles (where the CPU grants them) or with vector FMAs from now
+    on; whether the tiles serve. The two sum a score's products in other orders, so a model's bits change with it:
+    never between the steps of one decode."""
+    global _tiles
+    if _loaded is not None:
+        _tiles = bool(_loaded.flashdraft_attention_amx(int(on and torch.cpu._init_amx())))
+    return _tiles
 
 
 def ready(dtype: torch.dtype) -> bool:
