@@ -44,10 +44,15 @@ from . import attention, cpp_library, cpu_attention, cpu_w8a16
 # q_norm / k_norm over each head; their MLP: gate / up / down)
 LAYER_CLASSES = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
 
+# The layer's element-wise parts (norms, RoPE and the cache's write, SiLU, the residuals) are split between the
+# threads from this many rows (a verify's tokens, a batch's rows); fewer run on the calling thread.
+PARALLEL_ROWS = 4
+
 _SOURCE = r"""
 #include <torch/csrc/inductor/cpp_prefix.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -137,14 +142,32 @@ inline void silu_mul(const bf16* gate, const bf16* up, bf16* out, int64_t n) {
   });
 }
 
-// one head's RoPE in place: rotate_half's pairs (i, i + d/2), fp32, rounded once
+// one head's RoPE in place: rotate_half's pairs (i, i + d/2), fp32 (a product each, then their sum), rounded once
 inline void rope(bf16* x, const bf16* cos, const bf16* sin, int64_t d) {
   const int64_t half = d / 2;
-  for (int64_t i = 0; i < half; ++i) {
-    const float a = f(x[i]), b = f(x[i + half]);
-    x[i] = r(a * f(cos[i]) - b * f(sin[i]));
-    x[i + half] = r(b * f(cos[i + half]) + a * f(sin[i + half]));
+  each(half, [&](int64_t i, int64_t c) {
+    auto [alo, ahi] = load(x + i, c);
+    auto [blo, bhi] = load(x + half + i, c);
+    auto [clo, chi] = load(cos + i, c);
+    auto [slo, shi] = load(sin + i, c);
+    auto [c2lo, c2hi] = load(cos + half + i, c);
+    auto [s2lo, s2hi] = load(sin + half + i, c);
+    store(x + i, alo * clo - blo * slo, ahi * chi - bhi * shi, c);
+    store(x + half + i, blo * c2lo + alo * s2lo, bhi * c2hi + ahi * s2hi, c);
+  });
+}
+
+// fn(m) for the rows m in [0, M): split between the threads from PARALLEL_ROWS rows (each row alone, so its bits do
+// not depend on the split)
+template <typename Fn>
+inline void each_row(int64_t M, Fn fn) {
+  if (M < @PARALLEL_ROWS@) {
+    for (int64_t m = 0; m < M; ++m) fn(m);
+    return;
   }
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) fn(m);
+  });
 }
 
 // hidden [b, n, H]; cos / sin [b | 1, n, d]; key_cache / value_cache [b, kv_heads, capacity, d] (written at
@@ -187,7 +210,7 @@ at::Tensor decoder_layer(const at::Tensor& hidden, const at::Tensor& cos, const 
   at::Tensor x = at::empty({M, H}, hidden.options());
   const bf16* h = hidden.data_ptr<bf16>();
   const float eps_f = static_cast<float>(eps);
-  for (int64_t m = 0; m < M; ++m) rms_norm(h + m * H, norm_in.data_ptr<bf16>(), x.data_ptr<bf16>() + m * H, H, eps_f);
+  each_row(M, [&](int64_t m) { rms_norm(h + m * H, norm_in.data_ptr<bf16>(), x.data_ptr<bf16>() + m * H, H, eps_f); });
   at::Tensor qkv = linear(x, qkv_packed, qkv_scales, qkv_colsums, qkv_bias);  // [M, qw + 2 kw]
 
   // per-head norms, RoPE; the query rows apart [b, n, heads, d]; the cache's write
@@ -199,31 +222,29 @@ at::Tensor decoder_layer(const at::Tensor& hidden, const at::Tensor& cos, const 
   const int64_t vs0 = value_cache.stride(0), vs1 = value_cache.stride(1), vs2 = value_cache.stride(2);
   const bf16* qn = q_norm.has_value() ? q_norm->data_ptr<bf16>() : nullptr;
   const bf16* kn = k_norm.has_value() ? k_norm->data_ptr<bf16>() : nullptr;
-  std::vector<bf16> head(d);
-  for (int64_t row = 0; row < b; ++row) {
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t m = row * n + t, c = cos.size(0) == 1 ? t : row * n + t;
-      const bf16* src = qkv.data_ptr<bf16>() + m * width;
-      const bf16* cs = cos_c.data_ptr<bf16>() + c * d;
-      const bf16* sn = sin_c.data_ptr<bf16>() + c * d;
-      for (int64_t hh = 0; hh < heads; ++hh) {
-        bf16* dst = qp + m * qw + hh * d;
-        if (qn) rms_norm(src + hh * d, qn, dst, d, eps_f);
-        else std::copy(src + hh * d, src + (hh + 1) * d, dst);
-        rope(dst, cs, sn, d);
-      }
-      for (int64_t g = 0; g < kv_heads; ++g) {
-        bf16* kdst = kc + row * ks0 + g * ks1 + col[t] * ks2;
-        const bf16* ksrc = src + qw + g * d;
-        if (kn) rms_norm(ksrc, kn, head.data(), d, eps_f);
-        else std::copy(ksrc, ksrc + d, head.data());
-        rope(head.data(), cs, sn, d);
-        std::copy(head.begin(), head.end(), kdst);
-        const bf16* vsrc = src + qw + kw + g * d;
-        std::copy(vsrc, vsrc + d, vc + row * vs0 + g * vs1 + col[t] * vs2);
-      }
+  each_row(M, [&](int64_t m) {
+    std::vector<bf16> head(d);
+    const int64_t row = m / n, t = m % n, c = cos.size(0) == 1 ? t : m;
+    const bf16* src = qkv.data_ptr<bf16>() + m * width;
+    const bf16* cs = cos_c.data_ptr<bf16>() + c * d;
+    const bf16* sn = sin_c.data_ptr<bf16>() + c * d;
+    for (int64_t hh = 0; hh < heads; ++hh) {
+      bf16* dst = qp + m * qw + hh * d;
+      if (qn) rms_norm(src + hh * d, qn, dst, d, eps_f);
+      else std::copy(src + hh * d, src + (hh + 1) * d, dst);
+      rope(dst, cs, sn, d);
     }
-  }
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      bf16* kdst = kc + row * ks0 + g * ks1 + col[t] * ks2;
+      const bf16* ksrc = src + qw + g * d;
+      if (kn) rms_norm(ksrc, kn, head.data(), d, eps_f);
+      else std::copy(ksrc, ksrc + d, head.data());
+      rope(head.data(), cs, sn, d);
+      std::copy(head.begin(), head.end(), kdst);
+      const bf16* vsrc = src + qw + kw + g * d;
+      std::copy(vsrc, vsrc + d, vc + row * vs0 + g * vs1 + col[t] * vs2);
+    }
+  });
   qkv.reset();
 
   // attention over the columns the mask covers (the cache's capacity at most)
@@ -235,17 +256,19 @@ at::Tensor decoder_layer(const at::Tensor& hidden, const at::Tensor& cos, const 
   // h = hidden + o; y = norm(h); the MLP; out = h + down
   at::Tensor out = at::empty({b, n, H}, hidden.options());
   bf16* out_ = out.data_ptr<bf16>();
-  add(h, o.data_ptr<bf16>(), out_, M * H);
-  for (int64_t m = 0; m < M; ++m) rms_norm(out_ + m * H, norm_post.data_ptr<bf16>(), x.data_ptr<bf16>() + m * H, H, eps_f);
+  each_row(M, [&](int64_t m) {
+    add(h + m * H, o.data_ptr<bf16>() + m * H, out_ + m * H, H);
+    rms_norm(out_ + m * H, norm_post.data_ptr<bf16>(), x.data_ptr<bf16>() + m * H, H, eps_f);
+  });
   at::Tensor gu = linear(x, gu_packed, gu_scales, gu_colsums, gu_bias);  // [M, 2 I]: gate, then up
   at::Tensor act = at::empty({M, intermediate}, hidden.options());
-  for (int64_t m = 0; m < M; ++m) {
+  each_row(M, [&](int64_t m) {
     const bf16* gate = gu.data_ptr<bf16>() + m * 2 * intermediate;
     silu_mul(gate, gate + intermediate, act.data_ptr<bf16>() + m * intermediate, intermediate);
-  }
+  });
   gu.reset();
   at::Tensor down = linear(act, down_packed, down_scales, down_colsums, down_bias);
-  add(out_, down.data_ptr<bf16>(), out_, M * H);
+  each_row(M, [&](int64_t m) { add(out_ + m * H, down.data_ptr<bf16>() + m * H, out_ + m * H, H); });
   return out;
 }
 }  // namespace
@@ -282,7 +305,9 @@ def prepare() -> bool:
         _built = False
         if not (cpu_w8a16.prepare() and cpu_attention.prepare(torch.bfloat16)):
             return False
-        _loaded = cpp_library.load(_SOURCE, "the fused decoder layer")
+        _loaded = cpp_library.load(
+            _SOURCE.replace("@PARALLEL_ROWS@", str(PARALLEL_ROWS)), "the fused decoder layer"
+        )
         _built = _loaded is not None
     return bool(_built)
 
