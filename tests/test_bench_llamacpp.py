@@ -102,7 +102,8 @@ def test_llamacpp_rows_beside_ar(tiny, llama_server, tmp_path):  # noqa: F811
     draft = tmp_path / "draft.gguf"
     draft.write_text("a drafter")
     cfg = _config(tiny, tmp_path, gguf, methods=["llamacpp", "llamacpp-lookup", "llamacpp-dflash"],
-                  llamacpp=str(llama_server.parent), llamacpp_draft=str(draft), llamacpp_draft_max=7)  # fmt: skip
+                  llamacpp=str(llama_server.parent), llamacpp_draft=str(draft), llamacpp_draft_max=7,
+                  llamacpp_args="-fa off --no-repack")  # fmt: skip
     results = run_bench(cfg)
 
     samples = json.loads((tmp_path / "run" / "results.json").read_text())["samples"]  # with the output ids
@@ -122,6 +123,7 @@ def test_llamacpp_rows_beside_ar(tiny, llama_server, tmp_path):  # noqa: F811
     assert info["binary"] == str(llama_server) and "stand-in" in info["version"]
     commands = info["commands"]
     assert "--spec-type none" in commands["llamacpp"] and "-t 1" in commands["llamacpp"]
+    assert all(c.endswith(" -fa off --no-repack") for c in commands.values())  # --llamacpp-args: every server
     assert "--spec-type ngram-simple" in commands["llamacpp-lookup"]
     assert (
         f"--model-draft {draft}" in commands["llamacpp-dflash"]
@@ -149,6 +151,7 @@ def test_llamacpp_bad_input_is_one_line(tiny, llama_server, tmp_path, monkeypatc
         (dict(methods=["llamacpp"]), "llama-server is not on PATH"),
         (dict(methods=["llamacpp"], llamacpp=str(tmp_path)), "no llama-server executable there"),
         (dict(methods=["llamacpp-dflash"], llamacpp=str(llama_server)), "--llamacpp-draft"),
+        (dict(methods=["llamacpp"], llamacpp=str(llama_server), llamacpp_args="-fa 'off"), "--llamacpp-args"),
         (
             dict(methods=["llamacpp"], llamacpp=str(llama_server)),
             "not a GGUF file",

@@ -91,6 +91,7 @@ class BenchConfig:
     llamacpp_model: str | None = None  # the target as a GGUF
     llamacpp_draft: str | None = None  # the drafter as a GGUF (llama.cpp's converter), for llamacpp-dflash
     llamacpp_draft_max: int | None = None  # llama-server --spec-draft-n-max (None: its default)
+    llamacpp_args: str = ""  # more llama-server options for every llama.cpp method (its best on this CPU)
     llamacpp_context: int = 4096
 
 

@@ -18,11 +18,13 @@ benchmarks/README.md builds llama.cpp from the PyPI source package and converts 
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +95,7 @@ class LlamaCppServer:
         log_path: Path,
         draft: Path | None = None,
         draft_max: int | None = None,
+        extra: Sequence[str] = (),
     ) -> None:
         import httpx
 
@@ -105,6 +108,7 @@ class LlamaCppServer:
             args += ["--model-draft", str(draft), "--spec-draft-threads", str(threads)]
             if draft_max is not None:
                 args += ["--spec-draft-n-max", str(draft_max)]
+        args += list(extra)
         self.command = args
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "wb")  # noqa: SIM115 - open for the server's lifetime
@@ -214,12 +218,16 @@ class LlamaCppMethods:
         self.servers: dict[str, LlamaCppServer] = {}
         threads = cfg.threads or torch.get_num_threads()
         try:
+            extra = shlex.split(cfg.llamacpp_args)
+        except ValueError as e:
+            raise BenchError(f"--llamacpp-args {cfg.llamacpp_args!r}: {e}") from None
+        try:
             for method in methods:
                 self.servers[method] = LlamaCppServer(
                     method, binary, Path(cfg.llamacpp_model).expanduser(), threads, cfg.llamacpp_context,
                     out_dir / f"{method}.log",
                     draft=Path(cfg.llamacpp_draft).expanduser() if cfg.llamacpp_draft else None,
-                    draft_max=cfg.llamacpp_draft_max,
+                    draft_max=cfg.llamacpp_draft_max, extra=extra,
                 )  # fmt: skip
         except BaseException:
             self.close()

@@ -132,6 +132,13 @@ def bench_command(
     llamacpp_draft_max: Annotated[
         int | None, typer.Option(help="llamacpp-dflash: tokens drafted per step (llama-server's default: 3)")
     ] = None,
+    llamacpp_args: Annotated[
+        str,
+        typer.Option(
+            help="llamacpp methods: more llama-server options, e.g. '-fa off --no-repack' (its fastest on some "
+            "CPUs: benchmarks/README.md)"
+        ),
+    ] = "",
 ) -> None:
     """Measure acceptance length τ and speedup of ar / hf / dflash / sd / pld side by side, or benchmark a server."""
     from ..errors import print_error, user_errors
@@ -157,7 +164,7 @@ def bench_command(
                 block_size=block_size, tree=parse_tree(tree), draft_vocab=parse_draft_vocab(draft_vocab), pld_tokens=pld_tokens, seed=seed, out_dir=out, device=device, dtype=dtype,
                 threads=threads, compile_verify=compile_verify, thinking=thinking, chat=chat, save_outputs=save_outputs, plots=plots,
                 command=command, quantize=quantize, llamacpp=llamacpp, llamacpp_model=llamacpp_model,
-                llamacpp_draft=llamacpp_draft, llamacpp_draft_max=llamacpp_draft_max,
+                llamacpp_draft=llamacpp_draft, llamacpp_draft_max=llamacpp_draft_max, llamacpp_args=llamacpp_args,
             )  # fmt: skip
             results = run_bench(cfg)
             if readme is not None:
