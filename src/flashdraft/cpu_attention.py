@@ -86,27 +86,35 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0-2 as 16 rows of 64 bytes (the caller releases them).
+// Tiles 0-5 as 16 rows of 64 bytes (the caller releases them).
 inline void configure_tiles() {
   TileConfig config;
-  for (int t = 0; t < 3; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+  for (int t = 0; t < 6; ++t) config.rows[t] = 16, config.colsb[t] = 64;
   _tile_loadconfig(&config);
 }
 
 // The raw scores q_r . k_j (fp32) of up to 16 query rows of one KV head against columns [0, width), into
 // s[r * s_row + j] (16 columns at a time; past width, zeros). One `tdpbf16ps` per 32 head dimensions with the keys as
 // the tile's rows, read from the cache in place, and the queries as its columns: a score is a function of its query
-// row and key column alone, whatever the rows, columns or width beside it. d: a multiple of 32, up to 256.
-inline void amx_scores(const at::BFloat16* const* q, int64_t rows, const at::BFloat16* k, int64_t width, int64_t d,
+// row and key column alone, whatever the rows, columns or width beside it. d = 32 CH: 64 or 128, the queries kept in tiles.
+template <int CH>
+inline void amx_scores(const at::BFloat16* const* q, int64_t rows, const at::BFloat16* k, int64_t width,
                        int64_t k_col, float* s, int64_t s_row) {
-  alignas(64) uint32_t qt[8 * 256];      // the queries in pairs: [d / 32][16 pairs][16 rows]
-  alignas(64) at::BFloat16 pad[16 * 256];  // the last block's keys, zeros past the last column
-  alignas(64) float c[16 * 16];           // [key][query row]
-  const int64_t chunks = d / 32;
-  std::fill(qt, qt + chunks * 256, 0u);
+  constexpr int64_t d = 32 * CH;
+  alignas(64) uint32_t qt[CH * 256];       // the queries in pairs: [d / 32][16 pairs][16 rows]
+  alignas(64) at::BFloat16 pad[16 * d];    // the last block's keys, zeros past the last column
+  alignas(64) float c[16 * 16];            // [key][query row]
+  std::fill(qt, qt + CH * 256, 0u);
   for (int64_t r = 0; r < rows; ++r) {
     const uint32_t* qr = reinterpret_cast<const uint32_t*>(q[r]);
     for (int64_t p = 0; p < d / 2; ++p) qt[(p / 16) * 256 + (p % 16) * 16 + r] = qr[p];
+  }
+  // the queries stay in tiles 2 .. 2 + CH - 1 for every block of keys
+  _tile_loadd(2, qt, 64);
+  _tile_loadd(3, qt + 256, 64);
+  if constexpr (CH > 2) {
+    _tile_loadd(4, qt + 512, 64);
+    _tile_loadd(5, qt + 768, 64);
   }
   const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
   for (int64_t j = 0; j < width; j += 16) {
@@ -119,10 +127,15 @@ inline void amx_scores(const at::BFloat16* const* q, int64_t rows, const at::BFl
       a = pad, stride = d * 2;
     }
     _tile_zero(0);
-    for (int64_t h = 0; h < chunks; ++h) {
-      _tile_loadd(1, a + h * 32, stride);
-      _tile_loadd(2, qt + h * 256, 64);
-      _tile_dpbf16ps(0, 1, 2);
+    _tile_loadd(1, a, stride);
+    _tile_dpbf16ps(0, 1, 2);
+    _tile_loadd(1, a + 32, stride);
+    _tile_dpbf16ps(0, 1, 3);
+    if constexpr (CH > 2) {
+      _tile_loadd(1, a + 64, stride);
+      _tile_dpbf16ps(0, 1, 4);
+      _tile_loadd(1, a + 96, stride);
+      _tile_dpbf16ps(0, 1, 5);
     }
     _tile_stored(0, c, 64);
     for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(s + r * s_row + j, _mm512_i32gather_ps(column, c + r, 4));
@@ -343,8 +356,12 @@ void attend_amx(const T* const* q, T* const* out, const Sees* sees, int64_t rows
                 int64_t width, int64_t d, int64_t k_col, int64_t v_col, float scale, float* s, int64_t s_row) {
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     using B = const at::BFloat16;  // (T is bf16 here; the casts only let the fp32 kernel's copy compile)
-    flashdraft_attention::amx_scores(reinterpret_cast<B* const*>(q), rows, reinterpret_cast<B*>(k), width, d, k_col,
-                                     s, s_row);
+    if (d == 64)
+      flashdraft_attention::amx_scores<2>(reinterpret_cast<B* const*>(q), rows, reinterpret_cast<B*>(k), width, k_col,
+                                          s, s_row);
+    else  // 128
+      flashdraft_attention::amx_scores<4>(reinterpret_cast<B* const*>(q), rows, reinterpret_cast<B*>(k), width, k_col,
+                                          s, s_row);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t j = 0; j < width; j += 16) {
         float* sr = s + r * s_row + j;
