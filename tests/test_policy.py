@@ -200,6 +200,31 @@ def test_policy_skips_drafting_when_hopeless_and_probes_back(tiny, draft_s):
     assert res.new_tokens == generate_ar(target, ids, 60, stop_token_ids=[]).new_tokens
 
 
+def test_several_rows_probe_rarer_and_again_once_the_batch_halves(tiny):
+    """Four rows, hopeless drafts: a probe loses its draft pass (1.5, where the four rows' plain step costs 1.3),
+    and several rows keep that to 3 % of the time (`BATCH_PROBE_SHARE`: 39 steps apart, where one row's 10 % would
+    probe again after 12), so none comes while the four decode; when two rows finish, the batch has halved and
+    drafting may pay again: the next step probes, and then none again. Rows decode as plain."""
+    target, draft = tiny
+    proposer = scripted(target, draft, cpu_like_costs(draft_s=1.5), 0.001)
+    probes = probe_steps(proposer)
+    rows_at, propose = [], proposer.propose
+
+    def counting(rows, max_drafts):
+        rows_at.append(len(rows))
+        return propose(rows, max_drafts)
+
+    proposer.propose = counting
+    prompts = [list(range(3 + i, 20 + i)) for i in range(4)]
+    lengths = [60, 20, 60, 20]
+    out = run(BatchDecoder(target, proposer), prompts, lengths, SamplingParams(), [], [0] * 4)
+    halved = rows_at.index(2)
+    assert halved >= 18 and probes == [0, halved]
+    assert [o.new_tokens for o in out] == [
+        generate_ar(target, p, n, stop_token_ids=[]).new_tokens for p, n in zip(prompts, lengths, strict=True)
+    ]
+
+
 def test_a_paid_draft_pass_verifies_only_what_beats_plain_steps(tiny):
     """A compute-bound batched verify (n tokens cost n plain steps' worth: a 2-core CPU at many rows) behind an
     expensive draft pass: verifying 4 rows' drafts at 0.6 beats the draft pass's own price, but never the plain

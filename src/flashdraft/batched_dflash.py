@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .calibration import JUMP_FORWARD_MAX_TOKENS, calibration_for
+from .compiled import options_key
 from .compiled_draft import draft_block_pass, draft_context_pass, draft_head
 from .costs import CostModel, ObservedCosts
 from .grammar import steer_drafts
@@ -42,10 +43,19 @@ if TYPE_CHECKING:
 # "match": deterministic (greedy) drafts accepted where they equal the target's seed-keyed sample (seed-exact);
 # "pq": at T > 0, drafts sampled from the drafter's distribution and verified by speculative sampling.
 DRAFT_SAMPLING = ("match", "pq")
-MAX_SKIP_STEPS = 32
+MAX_SKIP_STEPS, BATCH_MAX_SKIP_STEPS = 32, 128  # one row, several rows
 # When drafting does not pay, a probe loses time against a plain step (its draft pass, mostly: for 16 rows it costs
 # more than their plain step): probes come rarely enough that they lose at most this share of the steps between.
+# One row's pass is cheap and its text turns predictable again often; several rows' passes cost 2-3 plain steps
+# (16 rows of SmolLM2-135M on a 2-core Xeon: about 30 ms against 10), and at 16 rows probes every 30 steps cost
+# 8 % of the time, where drafting never paid (benchmarks/README.md, 2026-12-06).
 PROBE_SHARE = 0.1
+BATCH_PROBE_SHARE = 0.03
+# Several rows speculate only where they are expected to beat plain steps by this factor (one row: by any margin).
+# A batch's speculation is chosen on the rows' most hopeful estimates, and at 8 rows a verify of 2 tokens each costs
+# about 1.5 plain steps: served at 8 requests at once, single drafts accepted 43 % of the time (the policy expected
+# over half) made DFlash 0.82x plain decoding (w8a16, a 2-core Emerald Rapids Xeon, benchmarks/README.md).
+BATCH_MARGIN = 1.1
 # The drafter's LM head covers first the slots whose verify costs at most this many plain steps (`_first_slots`).
 LAZY_HEAD_PRICE = 2.0
 # Draft trees: candidates kept per block slot (the drafter's own draft and the slot's next most likely tokens).
@@ -70,8 +80,10 @@ class BatchedDFlashProposer(BatchProposer):
     pass, each row keeps its draft or its free proposal (lookup match or forced text), whichever is expected to give
     more. When drafting does not beat plain steps, it is skipped for 1, 2, 4, .. steps between probes (the free
     proposals still fill them), so it comes back as soon as the text becomes predictable again, and for as many
-    steps as keep the probes' loss to a tenth of the time (`PROBE_SHARE`: a draft pass of many rows costs more than
-    their plain step); a probe verifies only what beats the plain steps that follow it. An integer
+    steps as keep the probes' loss to a tenth of the time (`PROBE_SHARE`; several rows, whose draft pass costs more
+    than their plain step, 3 %: `BATCH_PROBE_SHARE`, and a probe at once when the batch has halved since); a probe
+    verifies only what beats the plain steps that follow it. Several rows speculate only where that beats plain
+    steps by a margin (`BATCH_MARGIN`). An integer
     `block_size` drafts and verifies that many tokens (anchor included) every step.
 
     `tree=N`: rows draft trees of at most N nodes instead of chains (tree.py), built best-first from each slot's few
@@ -158,7 +170,12 @@ class BatchedDFlashProposer(BatchProposer):
         self.draft_rate: float | None = None  # the batch's expected tokens/s when drafting (EMA)
         self.skip_steps = 0
         self.skip_left = 0
-        self.passes_made: set[bool] = set()  # whether a draft pass of one row, of several rows, has run
+        self.skip_rows = 0  # the rows of the batch that chose to skip
+        # whether a draft pass of one row, of several rows, has run with this drafter and compile options (their
+        # graphs made): kept on the drafter as its graphs are, so a new proposer (a new batch) does not pay for a
+        # pass the rates do not ask for
+        made = self.draft.__dict__.setdefault("_flashdraft_passes_made", {})
+        self.passes_made: set[bool] = made.setdefault(options_key(target.compile_options), set())
         # the cost model corrected by the step times observed (`online_costs=False`: by `costs` alone)
         self.prices = None if costs is None else ObservedCosts(costs, online_costs)
         if tree is not None and tree < 1:
@@ -471,6 +488,7 @@ class BatchedDFlashProposer(BatchProposer):
         top = max(max_drafts)
         plain = self._padded(torch.ones(1, dtype=torch.long))
         plain_rate = b / float(self.prices.verify_s(b, plain, context))
+        bar = plain_rate * (BATCH_MARGIN if b > 1 else 1.0)  # the rate speculating must beat
         # Free proposals (lookup matches, forced text): the rate of verifying them alone, without a draft pass.
         free = [
             self._free_proposal(row, lookup, m)
@@ -488,7 +506,11 @@ class BatchedDFlashProposer(BatchProposer):
         # The first step and the first of several rows draft whatever the rates say: their graphs (compiled) are
         # made there, not in the middle of a later answer (the server's warm-up decodes one row, then two). A lone
         # row after several needs no graph of its own (the several-row graph takes it doubled, compiled_draft.py).
-        probe = self.draft_rate is None or self.draft_rate <= plain_rate
+        probe = self.draft_rate is None or self.draft_rate <= bar
+        if (
+            self.skip_left and 2 * b <= self.skip_rows
+        ):  # half the rows or fewer: drafting may pay again, probe now
+            self.skip_left = 0
         first_pass = not self.passes_made or b > 1 and True not in self.passes_made
         draft_now = top > 0 and (
             first_pass or self.skip_left == 0 and (probe or self.draft_rate >= free_rate)
@@ -497,7 +519,7 @@ class BatchedDFlashProposer(BatchProposer):
         self._trees = [None] * b
         if not draft_now:
             self.skip_left = max(0, self.skip_left - 1)
-            use_free = free_n > 0 and free_rate > plain_rate
+            use_free = free_n > 0 and free_rate > bar
             out = []
             for i, ((source, proposal, keys, _), m) in enumerate(zip(free, max_drafts, strict=True)):
                 k = min(free_n, len(proposal), m) if use_free else 0
@@ -529,22 +551,28 @@ class BatchedDFlashProposer(BatchProposer):
                 _extended(c[3], m - first) if c[0] == "dflash" and m > first else c[3]
                 for c, m in zip(choices, max_drafts, strict=True)
             ]
-            if self._batch_rate(bound, draft_s, context, top)[1] > max(rate, plain_rate):
+            if self._batch_rate(bound, draft_s, context, top)[1] > max(rate, bar):
                 tokens, confidence = self.draft_more_slots(tokens, confidence)
                 choices, n, rate, longest = choose(tokens.cpu(), confidence.cpu())
         self.draft_rate = rate if self.draft_rate is None else 0.5 * self.draft_rate + 0.5 * rate
-        if rate < plain_rate:  # the pass is paid and plain steps come next: verify only what beats them
-            n = self._batch_rate([c[3] for c in choices], draft_s, context, longest, plain_rate)[0]
+        if rate < bar:  # the pass is paid and plain steps come next: verify only what beats them
+            n = self._batch_rate([c[3] for c in choices], draft_s, context, longest, bar)[0]
         # Skipping compares with plain steps only: a lookup match is this step's luck, taken whenever it wins, not a
         # reason to stop drafting.
-        if self.draft_rate > plain_rate:
+        if self.draft_rate > bar:
             self.skip_steps = self.skip_left = 0
         else:  # drafting does not pay for this batch right now: lookup or plain steps, then probe again
             plain_s = b / plain_rate
             lost_s = (1.0 - self.draft_rate / plain_rate) * (draft_s + plain_s)  # a probe's, about
-            amortized = math.ceil(lost_s / (PROBE_SHARE * plain_s))
-            self.skip_steps = min(MAX_SKIP_STEPS, max(1, 2 * self.skip_steps, amortized))
+            share, most = PROBE_SHARE, MAX_SKIP_STEPS
+            if (
+                b > 1
+            ):  # its draft pass at least: the verify after it wins back what estimates that failed promise
+                lost_s, share, most = max(draft_s, lost_s), BATCH_PROBE_SHARE, BATCH_MAX_SKIP_STEPS
+            amortized = math.ceil(lost_s / (share * plain_s))
+            self.skip_steps = min(most, max(1, 2 * self.skip_steps, amortized))
             self.skip_left = self.skip_steps
+            self.skip_rows = b
         out = []
         for i, (source, toks, k, _, tree) in enumerate(choices):
             self._last[i] = (source, k[:n]) if n else None
