@@ -24,7 +24,8 @@ block of 32 products in an order of its own (not the columns' order one product 
 the sequential ones' in a third of the cases), so values summed there would give a column's weight other bits
 where a draft tree moves it among hidden columns, and a one-token step (too few rows to pay for the values' pairing)
 could not keep a verify's bits. SmolLM2-135M's heads on a 2-core Emerald Rapids Xeon: 1.3-1.5x faster at 4-16
-queries, the same at one (benchmarks/README.md, 2026-12-06). `$FLASHDRAFT_ATTENTION_TILES=0` keeps the vectors.
+queries, a microsecond slower at one (the tiles' set-up; benchmarks/README.md, 2026-12-06).
+`$FLASHDRAFT_ATTENTION_TILES=0` keeps the vectors.
 
 The operator's CPU implementation is C++ too (`TORCH_LIBRARY_IMPL`, registered as the library loads), so a compiled
 graph's call goes from the dispatcher straight to the kernel: through a Python implementation each call cost 7-30 us
