@@ -4,30 +4,24 @@ tokens, and plain decoding of 128 tokens after an 8-token prompt, the two target
 medians; with each target's first compile time and whether the two decode the same tokens.
 benchmarks/README.md, 2026-12-06 (stop 77). Run: python benchmarks/scripts/fused_layer_ab.py"""
 
-import os
 import statistics
 import time
 
 import torch
+from fused_targets import fused_and_unfused  # beside this script
 
-from flashdraft.compiled import compile_verify
 from flashdraft.generate import generate_ar
 from flashdraft.measure import static_decoder
 from flashdraft.model import DFlashDraftModel
-from flashdraft.target import load_target
 
 torch.set_num_threads(2)
 lengths = (1, 2, 4, 8, 16)
 ids = torch.randint(100, 20000, (1, 300), generator=torch.Generator().manual_seed(0))
 draft = DFlashDraftModel.from_pretrained("drafters/smollm2-135m-instruct").eval()
-configs = {}
-for name in ("unfused", "fused"):
-    os.environ["FLASHDRAFT_FUSED_LAYERS"] = "1" if name == "fused" else "0"
-    target = load_target(
-        "smollm2-135m-instruct", dtype="bfloat16", device="cpu", quantize="w8a16", compiled=True
-    )
-    compile_verify(target)
-    configs[name] = (target, static_decoder(target, draft, ids[:, :256], dtype="bfloat16"))
+configs = {
+    name: (target, static_decoder(target, draft, ids[:, :256], dtype="bfloat16"))
+    for name, target in fused_and_unfused().items()
+}
 
 
 def verify(name: str, n: int) -> None:

@@ -5,11 +5,9 @@ the tokens before it, through the engine (`static_decoder`); against the same wa
 eager). The tapped layers' outputs' relative error, and the logits' largest difference.
 benchmarks/README.md, 2026-12-06 (stop 77). Run: python benchmarks/scripts/fused_layer_features.py"""
 
-import os
-
 import torch
+from fused_targets import fused_and_unfused  # beside this script
 
-from flashdraft.compiled import compile_verify
 from flashdraft.datasets import load_bench_dataset
 from flashdraft.generate import generate_ar
 from flashdraft.measure import static_decoder
@@ -22,14 +20,7 @@ reference = load_target("smollm2-135m-instruct", dtype="float32", device="cpu")
 reference.static_cache = True
 data = load_bench_dataset("gsm8k", max_samples=6, seed=0)
 prompts = [reference.encode_prompt(c.user_turns[0])[0] for c in data.conversations]
-targets = {}
-for name in ("unfused", "fused"):
-    os.environ["FLASHDRAFT_FUSED_LAYERS"] = "1" if name == "fused" else "0"
-    target = load_target(
-        "smollm2-135m-instruct", dtype="bfloat16", device="cpu", quantize="w8a16", compiled=True
-    )
-    compile_verify(target)
-    targets[name] = target
+targets = fused_and_unfused()
 
 
 def walk(target, ids: torch.Tensor, start: int) -> list:

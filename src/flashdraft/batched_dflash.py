@@ -507,9 +507,8 @@ class BatchedDFlashProposer(BatchProposer):
         # made there, not in the middle of a later answer (the server's warm-up decodes one row, then two). A lone
         # row after several needs no graph of its own (the several-row graph takes it doubled, compiled_draft.py).
         probe = self.draft_rate is None or self.draft_rate <= bar
-        if (
-            self.skip_left and 2 * b <= self.skip_rows
-        ):  # half the rows or fewer: drafting may pay again, probe now
+        # half the rows or fewer since skipping was chosen: drafting may pay again, probe now
+        if self.skip_left and 2 * b <= self.skip_rows:
             self.skip_left = 0
         first_pass = not self.passes_made or b > 1 and True not in self.passes_made
         draft_now = top > 0 and (
@@ -565,9 +564,9 @@ class BatchedDFlashProposer(BatchProposer):
             plain_s = b / plain_rate
             lost_s = (1.0 - self.draft_rate / plain_rate) * (draft_s + plain_s)  # a probe's, about
             share, most = PROBE_SHARE, MAX_SKIP_STEPS
-            if (
-                b > 1
-            ):  # its draft pass at least: the verify after it wins back what estimates that failed promise
+            # several rows: the loss is the draft pass at least (the verify after it wins back only what estimates
+            # that failed promise)
+            if b > 1:
                 lost_s, share, most = max(draft_s, lost_s), BATCH_PROBE_SHARE, BATCH_MAX_SKIP_STEPS
             amortized = math.ceil(lost_s / (share * plain_s))
             self.skip_steps = min(most, max(1, 2 * self.skip_steps, amortized))

@@ -223,7 +223,8 @@ at::Tensor decoder_layer(const at::Tensor& hidden, const at::Tensor& cos, const 
   const bf16* qn = q_norm.has_value() ? q_norm->data_ptr<bf16>() : nullptr;
   const bf16* kn = k_norm.has_value() ? k_norm->data_ptr<bf16>() : nullptr;
   each_row(M, [&](int64_t m) {
-    std::vector<bf16> head(d);
+    thread_local std::vector<bf16> head;  // a key head between its norm, RoPE and the cache (each thread its own)
+    head.resize(d);
     const int64_t row = m / n, t = m % n, c = cos.size(0) == 1 ? t : m;
     const bf16* src = qkv.data_ptr<bf16>() + m * width;
     const bf16* cs = cos_c.data_ptr<bf16>() + c * d;
