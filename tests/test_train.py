@@ -484,7 +484,30 @@ def test_flex_block_mask_matches_dense_mask(layer_types, gpu_machine, monkeypatc
     import flashdraft.model as model_module
     from flashdraft.config import DFlashConfig
 
+    cfg = DFlashConfig(
+        hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, vocab_size=10, num_target_layers=4, target_layer_ids=[1, 2], mask_token_id=9, block_size=4,
+        layer_types=layer_types, sliding_window=3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    draft = DFlashDraftModel(cfg).eval()
+    features = torch.randn(1, 20, 64)
+    anchors = torch.tensor([3, 7, 8, 15])
+    positions = (anchors[:, None] + torch.arange(4)).flatten()[None]
+    block = torch.randn(1, 16, 32)
+
+    def forward(backend: str) -> torch.Tensor:
+        draft.attention_backend = backend
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # eager flex on CPU warns that it is the slow reference path
+            return draft(block, positions, features, torch.arange(20)[None], num_blocks=4)
+
+    dense = forward("auto")  # dense on a CPU
     if gpu_machine:
+        # Eager flex_attention compiles a wrapper of its own (dynamo) on its first call, and dynamo asks a machine
+        # with CUDA for its device: made here, on the real machine, it is not made again under the pretence below
+        # (the test failed whenever it was the first in its process to call flex_attention).
+        forward("flex")
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(model_module, "_FLEX", None)
         from torch.nn.attention.flex_attention import flex_attention
@@ -499,24 +522,7 @@ def test_flex_block_mask_matches_dense_mask(layer_types, gpu_machine, monkeypatc
             return real_compile(fn, *args, **kwargs)
 
         monkeypatch.setattr(torch, "compile", guarded_compile)
-
-    cfg = DFlashConfig(
-        hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, vocab_size=10, num_target_layers=4, target_layer_ids=[1, 2], mask_token_id=9, block_size=4,
-        layer_types=layer_types, sliding_window=3,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    draft = DFlashDraftModel(cfg).eval()
-    features = torch.randn(1, 20, 64)
-    anchors = torch.tensor([3, 7, 8, 15])
-    positions = (anchors[:, None] + torch.arange(4)).flatten()[None]
-    block = torch.randn(1, 16, 32)
-    with torch.no_grad():
-        dense = draft(block, positions, features, torch.arange(20)[None], num_blocks=4)
-        draft.attention_backend = "flex"
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # eager flex on CPU warns that it is the slow reference path
-            flex = draft(block, positions, features, torch.arange(20)[None], num_blocks=4)
+    flex = forward("flex")
     torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-5)
 
 
