@@ -322,6 +322,29 @@ def test_verify_lengths_are_timed_in_interleaved_rounds(monkeypatch):
     assert medians == [1.0, 1.0, 1.0]  # the slow round is each length's outlier, not one length's price
 
 
+def test_no_verify_length_is_priced_above_a_longer_one(tiny, monkeypatch):
+    """A shorter verify timed dearer than a longer one was timed in a slow stretch: each length is capped by every
+    longer one's time, at each context, and lengths already in order keep their own times."""
+    import flashdraft.measure as measure
+
+    assert measure.no_dearer_than_longer([5.0, 3.0, 4.0, 2.0, 6.0]) == [2.0, 2.0, 2.0, 2.0, 6.0]
+    assert measure.no_dearer_than_longer([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+
+    # measure_costs prices through it: one token timed slowest of all at both contexts (as a slow stretch would)
+    def medians(fns, repeats):
+        times = [0.010 + 0.001 * i for i in range(len(fns))]
+        times[0] = 0.050
+        return times
+
+    monkeypatch.setattr(measure, "interleaved_medians", medians)
+    target, draft = tiny
+    costs = measure_costs(target, draft, lengths=(1, 2, 8), contexts=(16, 48), repeats=1, batch_tokens=(32,))
+    assert costs.lengths == [1, 2, 8, 32]
+    for context in (16, 48):
+        one, two = float(costs.verify_s(1, context)), float(costs.verify_s(2, context))
+        assert one == pytest.approx(two) == pytest.approx(0.011)
+
+
 def test_a_draft_pass_whose_head_skips_slots_is_priced_without_them():
     """The lazy head (the first slots only) is priced as it runs: the head's price per slot and row off for each
     slot it skipped, never below a quarter of the whole pass (the drafter's layers run whatever the head covers)."""

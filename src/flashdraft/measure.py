@@ -33,11 +33,12 @@ VERIFY_LENGTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 BATCH_TOKENS = (32, 64, 128)
 DRAFT_BATCH_ROWS = 4
 CONTEXTS = (64, 512)
-COST_MODEL_VERSION = 7  # 3: the machine named with its vector extensions (cpu_name); 4: beside a static
+COST_MODEL_VERSION = 8  # 3: the machine named with its vector extensions (cpu_name); 4: beside a static
 # cache the draft pass is timed through the engine's own proposer (its compiled block pass, if compiled); 5: the
 # draft head's price per slot (draft_slot_s); 6: on a CPU in fp32 the static verify reads only the columns in use
 # (attention.narrow_mask), and int8 layers of one input are one GEMM (compiled._register_int8_concat_linear);
-# 7: the interleaved rounds alternate their order (interleaved_medians), so no length is timed after a far longer one
+# 7: the interleaved rounds alternate their order (interleaved_medians), so no length is timed after a far longer one;
+# 8: no length priced above a longer one (no_dearer_than_longer)
 
 
 def cost_cache_dir() -> Path:
@@ -175,6 +176,18 @@ def interleaved_medians(fns: list[Any], repeats: int) -> list[float]:
     return [statistics.median(spent) for spent in times]
 
 
+def no_dearer_than_longer(seconds: list[float]) -> list[float]:
+    """Verify times over increasing lengths, each capped by every longer one's: a verify of n tokens does no more
+    work than one of n + 1 (the engine could pad it there), so a shorter length timed dearer was timed in a slow
+    stretch of the machine. A compiled w8a16 price list (2-core Zen 4 EPYC) had one token at 512 of context at 17.1
+    ms and two at 12.8, and priced plain decoding's step at 13.7 ms after 256 tokens where decoding took 11.0
+    (benchmarks/README.md, 2026-12-06)."""
+    capped = list(seconds)
+    for i in range(len(capped) - 2, -1, -1):
+        capped[i] = min(capped[i], capped[i + 1])
+    return capped
+
+
 @torch.no_grad()
 def measure_costs(
     target: Any,
@@ -257,7 +270,9 @@ def measure_costs(
             def draft_pass(c=c):
                 proposer.draft_confidences(int(ids[0, c]), c, block - 1)
 
-        per_context.append(interleaved_medians([lambda n=n: verify(n) for n in lengths], repeats))
+        per_context.append(
+            no_dearer_than_longer(interleaved_medians([lambda n=n: verify(n) for n in lengths], repeats))
+        )
         draft_times.append(median_seconds(draft_pass, repeats))
         if slot_s is None:  # the head the engine drafts with, over one slot and over all of them
             head = engine.proposer.chain_head if static else proposer.head_logits
