@@ -86,9 +86,10 @@ inline void store16(at::BFloat16* p, __m512 v, __mmask16 m) {
 inline __mmask16 first(int64_t count) { return count >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1); }
 
 // Row r of x -> code rows 2r (high halves) and 2r + 1 (low), K codes each (the rest of Kp left as it is), and the
-// row's scale. Rounding to nearest even, as nearbyint.
+// row's scale. Rounding to nearest even, as nearbyint. `add`: 128 stores each code as the unsigned byte code + 128
+// (what vpdpbusd reads), 0 as the signed code (AMX's tdpbssd).
 template <typename X>
-void quantize(const X* x, int64_t K, int64_t Kp, int8_t* hi, float* scale) {
+void quantize(const X* x, int64_t K, int64_t Kp, int8_t* hi, float* scale, int add) {
   __m512 top = _mm512_setzero_ps();
   __mmask16 nan = 0;
   for (int64_t k = 0; k < K; k += 16) {
@@ -108,8 +109,9 @@ void quantize(const X* x, int64_t K, int64_t Kp, int8_t* hi, float* scale) {
     const __m512i l = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, _mm512_set1_epi32(128)),
                                                         _mm512_set1_epi32(255)), _mm512_set1_epi32(128));
     const __m512i h = _mm512_srai_epi32(_mm512_sub_epi32(v, l), 8);
-    _mm_mask_storeu_epi8(hi + k, m, _mm512_cvtepi32_epi8(h));
-    _mm_mask_storeu_epi8(lo + k, m, _mm512_cvtepi32_epi8(l));
+    const __m512i shift = _mm512_set1_epi32(add);
+    _mm_mask_storeu_epi8(hi + k, m, _mm512_cvtepi32_epi8(_mm512_add_epi32(h, shift)));
+    _mm_mask_storeu_epi8(lo + k, m, _mm512_cvtepi32_epi8(_mm512_add_epi32(l, shift)));
   }
 }
 
@@ -132,14 +134,13 @@ void vnni_blocks(const int8_t* codes, int64_t Kp, const int8_t* w, int64_t KC, c
     for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_si512();
   const int8_t* wb = w + b * KC * 1024;
   const int64_t quads = KC * 16, stride = KC * 1024;
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));  // code + 128
   const int64_t ahead = flashdraft_w8a16::prefetch;
   for (int64_t q = 0; q < quads; ++q) {
     if (ahead > 0)
       for (int i = 0; i < 4; ++i) prefetch_line(wb, stride, i, q * 64 + ahead);
     __m512i a[R];
     for (int r = 0; r < R; ++r)
-      a[r] = _mm512_xor_si512(_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(codes + r * Kp + q * 4)), flip);
+      a[r] = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(codes + r * Kp + q * 4));
     const int8_t* wq = wb + q * 64;
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
@@ -219,7 +220,8 @@ void linear(const X* x, int64_t M, int64_t K, const int8_t* w, int64_t NB, int64
   const int64_t code_rows = tiles ? (2 * M + 15) / 16 * 16 : (2 * M + 7) / 8 * 8;
   std::vector<int8_t> codes(code_rows * Kp, 0);
   std::vector<float> scale(M);
-  for (int64_t r = 0; r < M; ++r) quantize(x + r * K, K, Kp, codes.data() + 2 * r * Kp, scale.data() + r);
+  for (int64_t r = 0; r < M; ++r)  // vpdpbusd reads unsigned codes: stored as code + 128 here, not flipped in its loop
+    quantize(x + r * K, K, Kp, codes.data() + 2 * r * Kp, scale.data() + r, tiles ? 0 : 128);
   const int64_t threads = omp_get_max_threads();
   const bool parallel = threads > 1 && NB > 1 && NB * KC * 1024 * std::max<int64_t>(M, 4) >= (1 << 18);
 #pragma omp parallel if (parallel)
