@@ -357,6 +357,36 @@ def test_dflash_trees_decode_as_plain(arch, mode):
         assert tree_window(target) == 64
 
 
+def test_a_fixed_block_verifies_n_nodes_also_where_the_best_n_form_a_chain(monkeypatch):
+    """`--block-size B --tree N`: every step verifies the tree of its N best nodes, also where those are the block's
+    first N drafts (a chain: here the drafter is sure of its own drafts), never the whole block (which measured a
+    2-node "tree" at a 15-node chain's τ)."""
+    import flashdraft.batched_dflash as batched
+
+    def sure_of_its_drafts(candidates, p, keys, budget, below=None):
+        sure = torch.full_like(p, 0.01)
+        sure[:, 0] = 0.9
+        return grow_tree(candidates, sure, keys, budget, below=None if below is None else (sure, below[1]))
+
+    monkeypatch.setattr(batched, "grow_tree", sure_of_its_drafts)
+    target = tree_target("llama", seed=3)
+    proposer = BatchedDFlashProposer(drafter(target.config, block_size=8), target, block_size=8, tree=2)
+    sizes, propose = [], proposer.propose
+
+    def recording(rows, max_drafts):
+        out = propose(rows, max_drafts)
+        sizes.extend(len(t) for t in out)
+        return out
+
+    proposer.propose = recording
+    prompt = random_prompts(1, seed=7)[0]
+    got = generate(target, proposer, prompt, 30, stop_token_ids=[])
+    assert got.new_tokens == generate_ar(target, prompt, 30, stop_token_ids=[]).new_tokens
+    # the trees were chains (a last step with one slot left branches at it)
+    assert got.proposer_stats["tree_steps"] <= 1 and len(sizes) == got.num_steps > 5
+    assert max(sizes) == 2
+
+
 def test_dflash_trees_through_the_compiled_graphs_decode_as_plain():
     """Compiled (static cache, frozen graphs): the drafter's head reduces each slot's tree candidates inside its
     graph and the verify reduces the target's greedy tokens inside its own; the DFlash proposer's trees decode as

@@ -1,8 +1,8 @@
 """What a DFlash proposer's presence costs a batch when it proposes nothing: plain decoding against the same rows
 with the drafter attached but every proposal empty (its feature taps in the verify, its bookkeeping), 3 rounds
 interleaved, inclusive wall time of the engine's and the proposer's functions.
-Run: B=8 python benchmarks/scripts/proposer_overhead.py   (B rows of GSM8K, int8 compiled SmolLM2-135M; REAL=1 lets
-the proposer propose)"""
+Run: B=8 python benchmarks/scripts/proposer_overhead.py   (B rows of GSM8K, compiled SmolLM2-135M quantized by
+QUANTIZE, int8 unless set; REAL=1 lets the proposer propose)"""
 
 import collections
 import os
@@ -49,7 +49,7 @@ def nothing(self, rows, m):
 
 
 B.BatchedDFlashProposer.propose = nothing
-t = load_target("smollm2-135m-instruct", dtype="bfloat16", device="cpu", quantize="int8", compiled=True)
+t = load_target("smollm2-135m-instruct", dtype="bfloat16", device="cpu", quantize=os.environ.get("QUANTIZE", "int8"), compiled=True)
 compile_verify(t)
 d = DFlashDraftModel.from_pretrained("drafters/smollm2-135m-instruct", dtype=t.dtype).eval()
 costs = load_or_measure_costs(t, d)

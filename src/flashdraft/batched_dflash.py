@@ -476,12 +476,14 @@ class BatchedDFlashProposer(BatchProposer):
             out = [tokens[i, :k] for i, k in enumerate(keep)]
             self._trees = [None] * b
             for i, (row, k) in enumerate(zip(rows, keep, strict=True)):
-                tree = self._tree_for(i, row, k, self.tree or 0)
-                if tree is not None and not tree.is_chain:
+                tree = self._tree_for(i, row, k, self.tree) if self.tree else None
+                if tree is None:
+                    continue
+                out[i] = tree.tokens  # N nodes, also where the best N are the block's first N drafts (a chain)
+                if not tree.is_chain:
                     self._trees[i] = tree
                     self._last[i] = ("tree", tree)
                     self.tree_steps[i] += 1
-                    out[i] = tree.tokens
             return out
 
         context = sum(row.anchor_position for row in rows) // b
