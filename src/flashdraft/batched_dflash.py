@@ -479,7 +479,8 @@ class BatchedDFlashProposer(BatchProposer):
                 tree = self._tree_for(i, row, k, self.tree) if self.tree else None
                 if tree is None:
                     continue
-                out[i] = tree.tokens  # N nodes, also where the best N are the block's first N drafts (a chain)
+                # its N nodes, also where the best N are the block's first N drafts (a chain)
+                out[i] = tree.tokens
                 if not tree.is_chain:
                     self._trees[i] = tree
                     self._last[i] = ("tree", tree)
