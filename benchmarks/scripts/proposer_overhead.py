@@ -49,7 +49,8 @@ def nothing(self, rows, m):
 
 
 B.BatchedDFlashProposer.propose = nothing
-t = load_target("smollm2-135m-instruct", dtype="bfloat16", device="cpu", quantize=os.environ.get("QUANTIZE", "int8"), compiled=True)
+quantize = os.environ.get("QUANTIZE", "int8")
+t = load_target("smollm2-135m-instruct", dtype="bfloat16", device="cpu", quantize=quantize, compiled=True)
 compile_verify(t)
 d = DFlashDraftModel.from_pretrained("drafters/smollm2-135m-instruct", dtype=t.dtype).eval()
 costs = load_or_measure_costs(t, d)

@@ -6,9 +6,9 @@
 many nodes); the price list is the cost model measure.py caches for a target, precision and machine (the one the
 bench used: its `summary` is printed). A step that verifies n draft nodes costs a draft pass plus a verify of n + 1
 tokens (padded as the engine pads it: `--buckets`), so n nodes decode at τ(n) · t_verify(1) / (t_draft +
-t_verify(n + 1)) plain steps' worth of tokens per plain step. The table gives each set's best n for chains and for trees and the ratio of the two rates: an upper bound on
-what trees gain over chains at fixed sizes, because a tree's own host work (its candidates, mask and walk) is priced
-at zero. The policy adapts n per step, which helps chains and trees alike.
+t_verify(n + 1)) plain steps' worth of tokens per plain step. The table gives each set's best n for chains and for
+trees and the ratio of the two rates: an upper bound on what trees gain over chains at fixed sizes, because a
+tree's own host work (its candidates, mask and walk) is priced at zero. The policy adapts n per step, which helps chains and trees alike.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ def main() -> None:
     print(
         f"{costs.summary(args.context)}; {costs.key.get('machine', '?')}, {costs.key.get('threads', '?')} threads"
     )
-
     buckets = [] if args.buckets == "none" else [int(b) for b in args.buckets.split(",")]
 
     def rate(tau: float, nodes: int) -> float:
