@@ -4,6 +4,12 @@ plain decoding of the same model decodes; what cannot run it is refused or decod
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -27,9 +33,15 @@ from flashdraft.quantize import (
     quantize,
     w8a8_available,
     w8a8_compiles,
+    w8a8_exact,
 )
 
-pytestmark = pytest.mark.skipif(not w8a8_available(), reason="oneDNN's int8 linear (x86 builds of torch)")
+needs_onednn = pytest.mark.skipif(not w8a8_available(), reason="oneDNN's int8 linear (x86 builds of torch)")
+needs_exact = pytest.mark.skipif(
+    not w8a8_exact(),
+    reason="w8a8 is refused on this CPU: oneDNN's int8 products are exact only with VNNI (avx512_vnni, avx_vnni or "
+    "AMX); test_w8a8_is_offered_exactly_where_its_layers_are_the_integer_product runs here all the same",
+)
 needs_template = pytest.mark.skipif(
     not w8a8_compiles(), reason="inductor's int8 micro-kernels (avx512_vnni, AMX)"
 )
@@ -48,6 +60,7 @@ def reference(layer: W8A8Linear, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], layer.out_features)
 
 
+@needs_exact
 def test_a_w8a8_layer_is_the_integer_product_of_each_row_s_codes():
     torch.manual_seed(0)
     linear = nn.Linear(96, 40, bias=True).to(torch.bfloat16)
@@ -66,6 +79,7 @@ def test_a_w8a8_layer_is_the_integer_product_of_each_row_s_codes():
     assert W8A8_ZERO_POINT == 128
 
 
+@needs_exact
 def test_a_w8a8_layer_gives_a_row_its_bits_at_any_row_count_eager():
     """Quantized per row, multiplied in integers: a row's output does not depend on the rows beside it (a scale over
     the whole call, as oneDNN's dynamic quantization takes, would break this)."""
@@ -78,6 +92,7 @@ def test_a_w8a8_layer_gives_a_row_its_bits_at_any_row_count_eager():
         assert torch.equal(together[i : i + 1], layer(x[i : i + 1]))
 
 
+@needs_exact
 @needs_template
 def test_compiled_w8a8_layers_are_the_template_s_and_give_a_row_its_bits_at_any_row_count():
     """Compiled at SmolLM2's shapes with the rows symbolic, as the engine compiles a verify: every layer is one
@@ -112,6 +127,7 @@ def test_compiled_w8a8_layers_are_the_template_s_and_give_a_row_its_bits_at_any_
                     torch.testing.assert_close(many.float(), want, rtol=1e-2, atol=1e-2)
 
 
+@needs_exact
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5"])
 def test_dflash_on_a_w8a8_target_is_plain_decoding_of_it(arch):
     """Greedy and seeded sampling, a random drafter and an oracle, eager; a hybrid target too."""
@@ -130,6 +146,7 @@ def test_dflash_on_a_w8a8_target_is_plain_decoding_of_it(arch):
     assert_dflash_is_plain_decoding(target, draft)
 
 
+@needs_exact
 @needs_template
 def test_compiled_dflash_on_a_w8a8_target_is_plain_decoding_of_it():
     """`--quantize w8a8 --compile`: one row and rows joining and leaving a batch."""
@@ -148,6 +165,7 @@ def test_compiled_dflash_on_a_w8a8_target_is_plain_decoding_of_it():
     assert_batched_dflash_is_plain_decoding(target, draft, max_batch_size=3)
 
 
+@needs_exact
 def test_what_w8a8_cannot_run_is_refused_or_decodes_eagerly(monkeypatch):
     import flashdraft.quantize as quantize_module
     from flashdraft.compiled import compile_verify
@@ -179,3 +197,107 @@ def test_what_w8a8_cannot_run_is_refused_or_decodes_eagerly(monkeypatch):
         .eval()
         .to(torch.bfloat16),
     )
+
+
+# Run in a process of its own with oneDNN capped at an ISA (ONEDNN_MAX_CPU_ISA is read once, when oneDNN starts):
+# the layer at the codes' extremes against its integer product, what the gate says, and what is refused.
+_BOUNDARY = """
+import json, sys, torch
+from torch import nn
+sys.path.insert(0, sys.argv[1])
+from test_w8a8 import reference
+from flashdraft.quantize import QuantizeError, W8A8Linear, _onednn_int8_product, check_quantize, w8a8_exact
+
+torch.manual_seed(0)
+worst = 0.0
+for k, n in ((512, 40), (96, 40), (320, 24)):  # unsigned sums below 2^24: exact in the op's fp32
+    weight = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    weight[0], weight[1] = 127, -127                      # whole columns at the extremes
+    for rows in (1, 3, 17):
+        codes = torch.randint(-127, 128, (rows, k), dtype=torch.int8)
+        codes[0] = 127                                    # x 127: every pair sums to 32258 before the zero point
+        codes[-1] = torch.where(torch.arange(k) % 2 == 0, 127, -127).to(torch.int8)
+        got = _onednn_int8_product(codes, weight).double()
+        worst = max(worst, (got - (codes.double() @ weight.double().T)).abs().max().item())
+linear = nn.Linear(96, 40, bias=True).to(torch.bfloat16)
+x = torch.randn(5, 3, 96, dtype=torch.bfloat16)
+try:
+    layer = W8A8Linear(linear)
+    layer_error = (layer(x).float() - reference(layer, x)).abs().max().item()
+    refusals = []
+except QuantizeError as e:
+    layer_error, refusals = None, [str(e)]
+try:
+    check_quantize("w8a8", None, torch.device("cpu"))
+except QuantizeError as e:
+    refusals.append(str(e))
+print(json.dumps({"worst": worst, "exact": w8a8_exact(), "layer_error": layer_error, "refusals": refusals}))
+"""
+
+
+def _cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@needs_onednn
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads the CPU's flags from /proc/cpuinfo (Linux)")
+@pytest.mark.parametrize("cap", [None, "AVX2", "AVX512_CORE", "AVX2_VNNI", "AVX512_CORE_VNNI"])
+def test_w8a8_is_offered_exactly_where_its_layers_are_the_integer_product(cap):
+    """The boundary, on every x86 machine: with oneDNN capped at each ISA (the avx2 path runs on an avx512 CPU too),
+    a layer at the codes' extremes (127 x 127 in every pair: 64770 with the zero point, past vpmaddubsw's 16-bit
+    sums) is the integer product of its codes, and w8a8 is offered; or it is not, and w8a8 is refused in one line
+    naming VNNI, by the CLI's check and by the layer. Without VNNI it must be refused: that is where a Zen 3 EPYC
+    gave 53% of a layer's outputs off by up to 0.52 while decoding without a word."""
+    env = dict(os.environ)
+    env.pop("ONEDNN_MAX_CPU_ISA", None)
+    if cap is not None:
+        env["ONEDNN_MAX_CPU_ISA"] = cap
+    tests = str(Path(__file__).parent)
+    done = subprocess.run(
+        [sys.executable, "-c", _BOUNDARY, tests], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    flags = _cpu_flags()
+    vnni = {
+        None: {"avx512_vnni", "avx_vnni", "amx_int8"},
+        "AVX2": set(),
+        "AVX512_CORE": set(),
+        "AVX2_VNNI": {"avx_vnni"},
+        "AVX512_CORE_VNNI": {"avx512_vnni", "avx_vnni"},
+    }[cap]
+    # oneDNN with VNNI multiplies exactly; without it, it saturates at the extremes, and the gate sees which
+    assert (seen["worst"] == 0.0) == bool(vnni & flags), seen
+    assert seen["exact"] == (seen["worst"] == 0.0), seen
+    assert seen["worst"] == 0.0 or seen["worst"] > 30000, seen  # a clipped pair: 64770 - 32767 at the least
+    if seen["exact"]:
+        assert seen["refusals"] == [] and seen["layer_error"] < 1e-2, seen
+    else:
+        assert len(seen["refusals"]) == 2 and seen["layer_error"] is None, seen
+        for refusal in seen["refusals"]:
+            assert "\n" not in refusal and "needs VNNI (avx512_vnni, avx_vnni or AMX)" in refusal, refusal
+            assert "use --quantize int8" in refusal, refusal
+
+
+def test_w8a8_where_it_is_not_exact_is_refused_before_any_layer_is_made(monkeypatch):
+    """The gate's refusal, faked on any machine: the CLI's check, the Python API's `quantize`, and a layer."""
+    import flashdraft.quantize as quantize_module
+
+    monkeypatch.setattr(quantize_module, "w8a8_exact", lambda: False)
+    monkeypatch.setattr(quantize_module, "w8a8_available", lambda: True)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    with pytest.raises(QuantizeError, match=r"^--quantize w8a8 needs VNNI .*which this CPU lacks: .*saturate"):
+        check_quantize("w8a8", torch.bfloat16, torch.device("cpu"))
+    model = tiny_model("llama").to(torch.bfloat16)
+    with pytest.raises(QuantizeError, match="needs VNNI"):
+        quantize(model, "w8a8")
+    with pytest.raises(QuantizeError, match="needs VNNI"):
+        W8A8Linear(nn.Linear(8, 4))
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    with pytest.raises(QuantizeError, match="this CPU lacks or ONEDNN_MAX_CPU_ISA=AVX2 hides from oneDNN"):
+        check_quantize("w8a8", None, torch.device("cpu"))
+    # int8 weight-only is what the refusal points to: it never multiplies bytes by bytes, so it stays offered
+    check_quantize("int8", None, torch.device("cpu"))
