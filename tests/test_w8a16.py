@@ -22,7 +22,9 @@ from flashdraft import Target, cpu_w8a16
 from flashdraft.model import DFlashDraftModel
 from flashdraft.quantize import QuantizeError, W8A16Linear, check_quantize, quantization_of, quantize
 
-pytestmark = pytest.mark.skipif(not cpu_w8a16.prepare(), reason="the w8a16 kernel needs avx512_vnni")
+needs_kernel = pytest.mark.skipif(
+    not cpu_w8a16.prepare(), reason="the w8a16 kernel needs avx512_vnni and avx512_bf16 (and a C++ compiler)"
+)
 
 
 def reference(layer: W8A16Linear, x: torch.Tensor) -> torch.Tensor:
@@ -50,6 +52,7 @@ def drafter(model: nn.Module) -> DFlashDraftModel:
     )
 
 
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_w8a16_layer_is_the_integer_product_of_each_row_s_16_bit_codes(dtype):
     """Widths that fill no whole tile (100 inputs, 40 outputs), a bias; zeros, NaN and inf rows."""
@@ -74,6 +77,7 @@ def test_a_w8a16_layer_is_the_integer_product_of_each_row_s_16_bit_codes(dtype):
     assert out[0].isfinite().all() and out[1].isnan().all() and out[2].isnan().all()
 
 
+@needs_kernel
 def test_a_row_gets_its_bits_at_any_row_count_from_either_kernel():
     """Each row quantized alone and summed in integers: a row's output does not depend on the rows beside it (a
     scale over the whole call would break it: the outlier row), nor on which kernel serves the call (vpdpbusd for
@@ -103,6 +107,7 @@ def test_a_row_gets_its_bits_at_any_row_count_from_either_kernel():
     torch.testing.assert_close(outputs[0].float(), reference(layer, x), rtol=1e-2, atol=1e-2)
 
 
+@needs_kernel
 def test_compiled_w8a16_layers_of_one_input_are_one_call_and_keep_a_row_s_bits():
     """Compiled as the engine compiles a verify (frozen, rows symbolic): q / k / v of one input are one kernel call,
     gate / up another (the freezing pass concatenates their packed weights), a layer of another input its own; every
@@ -141,6 +146,7 @@ def test_compiled_w8a16_layers_of_one_input_are_one_call_and_keep_a_row_s_bits()
     assert len(calls) == 5  # q / k / v, o, gate / up, and the two narrow ones apart
 
 
+@needs_kernel
 @pytest.mark.parametrize("arch", ["llama", "qwen3", HYBRID_ARCHS[0]])
 def test_dflash_on_a_w8a16_target_is_plain_decoding_of_it(arch):
     """Greedy and seeded sampling, a random drafter and an oracle, eager; a hybrid target too."""
@@ -155,6 +161,7 @@ def test_dflash_on_a_w8a16_target_is_plain_decoding_of_it(arch):
     assert_dflash_is_plain_decoding(target, drafter(model))
 
 
+@needs_kernel
 def test_compiled_dflash_on_a_w8a16_target_is_plain_decoding_of_it():
     """`--quantize w8a16 --compile`: one row and rows joining and leaving a batch."""
     from flashdraft.compiled import compile_verify
@@ -168,6 +175,7 @@ def test_compiled_dflash_on_a_w8a16_target_is_plain_decoding_of_it():
     assert_batched_dflash_is_plain_decoding(target, draft, max_batch_size=3)
 
 
+@needs_kernel
 def test_a_w8a16_head_over_a_drafter_s_vocabulary_keeps_each_row_s_bits():
     """select_rows (draft_vocab.py): the head over some tokens gives those tokens' logits bit for bit."""
     torch.manual_seed(4)
@@ -178,7 +186,8 @@ def test_a_w8a16_head_over_a_drafter_s_vocabulary_keeps_each_row_s_bits():
     assert part.out_features == 6 and torch.equal(part(x), head(x)[:, ids])
 
 
-def test_what_w8a16_cannot_run_is_refused_in_one_line(monkeypatch):
+@needs_kernel
+def test_what_w8a16_cannot_run_is_refused_in_one_line():
     cpu = torch.device("cpu")
     check_quantize("w8a16", None, cpu)
     check_quantize("w8a16", torch.float32, cpu)
@@ -186,14 +195,38 @@ def test_what_w8a16_cannot_run_is_refused_in_one_line(monkeypatch):
         check_quantize("w8a16", torch.float16, cpu)
     with pytest.raises(QuantizeError, match="for CPUs"):
         check_quantize("w8a16", None, torch.device("cuda"))
-    monkeypatch.setattr(cpu_w8a16, "prepare", lambda: False)
-    with pytest.raises(QuantizeError, match="avx512_vnni .* use --quantize int8"):
-        check_quantize("w8a16", None, cpu)
+
+
+@pytest.mark.parametrize(
+    ("vnni", "bf16", "lacks"),
+    [
+        (False, True, "avx512_vnni"),
+        (True, False, "avx512_bf16"),
+        (False, False, "avx512_vnni and avx512_bf16"),
+    ],
+)
+def test_a_cpu_without_w8a16_s_features_is_refused_naming_them_before_any_build(
+    monkeypatch, vnni, bf16, lacks
+):
+    """On any machine, the CPU's features faked: an Ice Lake or Cascade Lake Xeon has avx512_vnni but not avx512_bf16
+    (the kernel's `vcvtneps2bf16`): refused in one line naming what it lacks, nothing built, no layer made."""
+    from flashdraft import cpp_library
+
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: vnni)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
+    monkeypatch.setattr(cpu_w8a16, "_isa", None)  # not prepared yet in this (faked) process
+    builds = []
+    monkeypatch.setattr(cpp_library, "load", lambda *args: builds.append(args))
+    want = f"^--quantize w8a16 needs a CPU with avx512_vnni and avx512_bf16 .*which this one lacks {lacks}: "
+    with pytest.raises(QuantizeError, match=want + "use --quantize int8$"):
+        check_quantize("w8a16", None, torch.device("cpu"))
     # quantize() called directly: refused, not layers whose operator has no kernel
-    with pytest.raises(QuantizeError, match="avx512_vnni"):
+    with pytest.raises(QuantizeError, match=want):
         quantize(tiny_model("llama").to(torch.bfloat16), "w8a16")
+    assert builds == [] and cpu_w8a16.kernels() is None
 
 
+@needs_kernel
 def test_a_process_without_w8a16_layers_compiles_frozen_graphs():
     """The freezing pass that joins w8a16 layers is registered only once the kernel is built (tracing its patterns
     runs the operator): a fresh process compiling another model's graph never needs the kernel (an int8 bench

@@ -243,7 +243,9 @@ def _cpu_flags() -> set[str]:
 
 
 @needs_onednn
-@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads the CPU's flags from /proc/cpuinfo (Linux)")
+@pytest.mark.skipif(
+    not Path("/proc/cpuinfo").exists(), reason="reads the CPU's flags from /proc/cpuinfo (Linux)"
+)
 @pytest.mark.parametrize("cap", [None, "AVX2", "AVX512_CORE", "AVX2_VNNI", "AVX512_CORE_VNNI"])
 def test_w8a8_is_offered_exactly_where_its_layers_are_the_integer_product(cap):
     """The boundary, on every x86 machine: with oneDNN capped at each ISA (the avx2 path runs on an avx512 CPU too),
@@ -257,7 +259,12 @@ def test_w8a8_is_offered_exactly_where_its_layers_are_the_integer_product(cap):
         env["ONEDNN_MAX_CPU_ISA"] = cap
     tests = str(Path(__file__).parent)
     done = subprocess.run(
-        [sys.executable, "-c", _BOUNDARY, tests], env=env, capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, "-c", _BOUNDARY, tests],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
@@ -289,7 +296,9 @@ def test_w8a8_where_it_is_not_exact_is_refused_before_any_layer_is_made(monkeypa
     monkeypatch.setattr(quantize_module, "w8a8_exact", lambda: False)
     monkeypatch.setattr(quantize_module, "w8a8_available", lambda: True)
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    with pytest.raises(QuantizeError, match=r"^--quantize w8a8 needs VNNI .*which this CPU lacks: .*saturate"):
+    with pytest.raises(
+        QuantizeError, match=r"^--quantize w8a8 needs VNNI .*which this CPU lacks: .*saturate"
+    ):
         check_quantize("w8a8", torch.bfloat16, torch.device("cpu"))
     model = tiny_model("llama").to(torch.bfloat16)
     with pytest.raises(QuantizeError, match="needs VNNI"):

@@ -18,7 +18,8 @@ Two kernels, one layout (`pack`: the weight in tiles of 16 columns x 64 inputs, 
 column's sum taken back after), the weights streamed through vector registers. More rows, on CPUs with AMX:
 `tdpbssd` on tiles of 16 code rows. Integer sums are exact, so both give every row the same bits at any row count.
 The library builds with inductor's compiler and flags (cpp_library.py, cached on disk) on first use; a CPU without
-avx512_vnni gets no kernel (`available`), and `--quantize w8a16` is refused there in one line (quantize.py).
+avx512_vnni and avx512_bf16 gets no kernel (`prepare`), and `--quantize w8a16` is refused there in one line
+(quantize.py).
 """
 
 from __future__ import annotations
@@ -329,7 +330,7 @@ def prepare() -> bool:
     global _isa, _loaded
     if _isa is None:
         _isa = 0
-        if not torch.cpu._is_vnni_supported():
+        if missing_features():  # nothing to build: without them the build fails (or the library cannot run)
             return False
         _loaded = cpp_library.load(
             _SOURCE.replace("@HALF@", str(HALF)).replace("@PREFETCH@", str(PREFETCH)), "the w8a16 kernel"
@@ -337,6 +338,13 @@ def prepare() -> bool:
         if _loaded is not None:
             _isa = int(_loaded.flashdraft_w8a16_isa(int(torch.cpu._init_amx())))
     return _isa > 0
+
+
+def missing_features() -> list[str]:
+    """The CPU features the kernel needs that this CPU lacks: avx512_vnni (`vpdpbusd`) and avx512_bf16 (a bf16
+    row's output, `vcvtneps2bf16`): Ice Lake and Cascade Lake Xeons have the first only."""
+    needs = {"avx512_vnni": torch.cpu._is_vnni_supported, "avx512_bf16": torch.cpu._is_avx512_bf16_supported}
+    return [name for name, has in needs.items() if not has()]
 
 
 def kernels() -> str | None:

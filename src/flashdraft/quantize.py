@@ -250,7 +250,7 @@ class W8A16Linear(Int8Linear):
     def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype = torch.bfloat16) -> None:
         nn.Module.__init__(self)
         if not w8a16_available():  # the kernel is built (its operator registered) before any layer runs
-            raise QuantizeError(W8A16_REFUSAL)
+            raise QuantizeError(w8a16_refusal())
         quantized, scales = per_channel_int8(linear.weight, torch.float32)
         bias = linear.bias
         self.compute_dtype = compute_dtype
@@ -302,14 +302,18 @@ class W8A16Linear(Int8Linear):
         )
 
 
-W8A16_REFUSAL = (
-    "--quantize w8a16 needs a CPU with avx512_vnni (its integer kernel), which this one lacks: "
-    "use --quantize int8"
-)
+def w8a16_refusal() -> str:
+    """The one line that refuses `--quantize w8a16` where its kernel does not serve, naming what the CPU lacks."""
+    lacks = " and ".join(cpu_w8a16.missing_features())
+    why = f"this one lacks {lacks}" if lacks else "did not build here (the warning above says why)"
+    return (
+        f"--quantize w8a16 needs a CPU with avx512_vnni and avx512_bf16 (its integer kernel), which {why}: "
+        "use --quantize int8"
+    )
 
 
 def w8a16_available() -> bool:
-    """cpu_w8a16.py's kernel serves on this CPU (avx512_vnni; built on first call)."""
+    """cpu_w8a16.py's kernel serves on this CPU (avx512_vnni and avx512_bf16; built on first call)."""
     return cpu_w8a16.prepare()
 
 
@@ -344,10 +348,11 @@ def w8a8_exact() -> bool:
     k, n = 256, 32
     generator = torch.Generator().manual_seed(0)
     weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
-    weight[: n // 2] = torch.where(torch.arange(k) % 3 == 0, -127, 127).to(torch.int8)  # the extremes, in pairs
+    extremes = torch.where(torch.arange(k) % 3 == 0, -127, 127).to(torch.int8)  # 127 x 127 in most pairs
+    weight[: n // 2] = extremes
     for rows in (1, 5):
         codes = torch.randint(-127, 128, (rows, k), dtype=torch.int8, generator=generator)
-        codes[0] = torch.where(torch.arange(k) % 3 == 0, -127, 127).to(torch.int8)  # 127 x 127 in every pair
+        codes[0] = extremes
         want = codes.long() @ weight.long().T
         if not torch.equal(_onednn_int8_product(codes, weight).long(), want):
             return False
@@ -518,7 +523,7 @@ def check_quantize(scheme: str | None, dtype: torch.dtype | None, device: torch.
     if scheme == "w8a8" and not w8a8_exact():
         raise QuantizeError(w8a8_refusal())
     if scheme == "w8a16" and not w8a16_available():
-        raise QuantizeError(W8A16_REFUSAL)
+        raise QuantizeError(w8a16_refusal())
     if dtype is not None and dtype not in (torch.bfloat16, torch.float32):
         raise QuantizeError(
             f"--quantize {scheme} runs bf16 activations (or fp32 ones), not "

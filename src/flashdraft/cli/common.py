@@ -24,8 +24,9 @@ QuantizeOption = Annotated[
         "--quantize",
         help="int8: the target's linear layers int8 weight-only with bf16 activations (CPU), or fp32 ones with "
         "--dtype float32 (fast with --compile); w8a8: int8 weights and int8 activations, each row quantized alone "
-        "(CPUs with VNNI; compiled with avx512_vnni or AMX; a little less accurate than int8); w8a16: int8 weights and "
-        "each row as 16-bit integers, an integer kernel bound by the weights' bytes (CPUs with avx512_vnni); "
+        "(CPUs with VNNI; compiled with avx512_vnni or AMX; a little less accurate than int8); w8a16: int8 weights "
+        "and each row as 16-bit integers, an integer kernel bound by the weights' bytes (CPUs with avx512_vnni and "
+        "avx512_bf16); "
         "fp16: fp16 weight-only with fp32 activations (x86 CPUs); lossless against plain decoding of the same "
         "quantized model",
     ),
