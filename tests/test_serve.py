@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -341,6 +342,46 @@ def test_plain_server_without_drafter(models):
         QueueFullError, match="shutting down"
     ):  # after close(): refused (HTTP 503), not queued
         engine.submit(EngineRequest(prompt_ids=[5, 6], max_tokens=2), asyncio.new_event_loop())
+
+
+def test_health_is_503_until_the_engine_has_warmed_up_and_once_it_drains(models, monkeypatch):
+    """`serve --compile` warms up (compiles its graphs) on the worker for minutes after the HTTP server is up: a
+    load balancer must not send it requests then, so /health answers 503 "starting" until the worker is ready, 200
+    "ok" while it serves, 503 "stopping" once it drains."""
+    from fastapi.testclient import TestClient
+
+    from flashdraft.serve import Engine, build_app
+
+    entered, release = threading.Event(), threading.Event()
+
+    def warming_up(engine):  # noqa: ANN001 - a stand-in for the compiled warm-up, held until released
+        entered.set()
+        assert release.wait(60), "the test never released the warm-up"
+
+    monkeypatch.setattr(Engine, "warm_up", warming_up)
+    target = Target(models["llama"], tiny_tokenizer(), name=MODEL)
+    engine = Engine(target, None)
+    app = build_app(engine, MODEL)
+    try:
+        with TestClient(app) as client:
+            assert entered.wait(60), "the engine's worker never started its warm-up"
+            r = client.get("/health")
+            assert r.status_code == 503 and r.json()["status"] == "starting", r.text
+            release.set()
+            for _ in range(600):  # the worker sets ready as soon as its warm-up returns
+                r = client.get("/health")
+                if r.status_code == 200:
+                    break
+                time.sleep(0.05)
+            assert r.status_code == 200 and r.json() == {"status": "ok", "waiting": 0, "running": 0}, r.text
+            r = client.post("/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3})
+            assert r.status_code == 200, r.text
+    finally:
+        release.set()
+        engine.close()
+    with TestClient(app) as client:
+        r = client.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "stopping", r.text
 
 
 def test_every_framework_error_has_the_openai_error_body(server):

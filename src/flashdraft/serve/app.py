@@ -103,8 +103,11 @@ def build_app(engine: Engine, model_name: str, allow_local_images: bool = False)
         return {"prompt": target.tokenizer.decode(body.tokens)}
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "waiting": engine.waiting, "running": engine.running}
+    async def health() -> JSONResponse:
+        """200 once the engine is ready; 503 while it warms up (`--compile`: minutes of compiling) or drains."""
+        status = "ok" if engine.ready else "stopping" if engine.closing else "starting"
+        body = {"status": status, "waiting": engine.waiting, "running": engine.running}
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

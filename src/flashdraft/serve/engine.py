@@ -168,6 +168,7 @@ class Engine:
         )
         self._queue: queue.Queue[RequestHandle | None] = queue.Queue(maxsize=max_queue)
         self._closing = False
+        self._warm = threading.Event()  # set once the worker has warmed up (`run`): the server is ready
         self._outbox: list[tuple[RequestHandle, str, Any]] = []  # events of this step, not yet delivered
         self.steps_by_rows: Counter[int] = Counter()  # decode steps by the number of rows they advanced
         self.decode_s = 0.0  # time in decode steps so far
@@ -196,6 +197,16 @@ class Engine:
     def running(self) -> int:
         return len(self.decoder)
 
+    @property
+    def ready(self) -> bool:
+        """The worker runs and has warmed up (compiled graphs made: `warm_up`), and the engine is not closing:
+        what `/health` answers 200 for, so that a load balancer sends no request to a server still compiling."""
+        return self._warm.is_set() and not self._closing
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
     def close(self, timeout: float = 60.0) -> None:
         """Stop admitting, finish the running rows (and what already waits in the queue), end the worker."""
         self._closing = True
@@ -219,6 +230,7 @@ class Engine:
             )
         torch.set_grad_enabled(False)
         self.warm_up()
+        self._warm.set()
         stopping = False
         while True:
             # Admit waiting requests between steps; with nothing running, sleep until one comes.
