@@ -192,10 +192,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     import uvicorn
 
-    from flashdraft.measure import cpu_name
-    from flashdraft.model import DFlashDraftModel
+    from flashdraft.engine.measure import cpu_name
+    from flashdraft.drafter.model import DFlashDraftModel
     from flashdraft.serve import Engine, build_app
-    from flashdraft.target import load_target
+    from flashdraft.targets.target import load_target
 
     target = load_target(args.target)
     draft = DFlashDraftModel.from_pretrained(args.draft, dtype=target.dtype)

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-import flashdraft.batched_dflash as proposers
+import flashdraft.engine.batched_dflash as proposers
 from flashdraft import DFlashDraftModel, generate, generate_ar, load_target
-from flashdraft.datasets import load_bench_dataset
-from flashdraft.grammar import RowGrammar
-from flashdraft.measure import cpu_name
-from flashdraft.tool_calls import encode_tool_prompt, parse_tool_choice, parse_tools, tool_constraint
+from flashdraft.prompts.benchmarks import load_bench_dataset
+from flashdraft.engine.grammar import RowGrammar
+from flashdraft.engine.measure import cpu_name
+from flashdraft.engine.tool_calls import encode_tool_prompt, parse_tool_choice, parse_tools, tool_constraint
 
 
 def main() -> None:

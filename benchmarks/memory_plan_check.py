@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 import transformers as tf
 
-from flashdraft.memory_plan import measured_peak, plan_training, target_shape
-from flashdraft.target import Target
-from flashdraft.train import TrainConfig, Trainer
+from flashdraft.training.memory_plan import measured_peak, plan_training, target_shape
+from flashdraft.targets.target import Target
+from flashdraft.training.trainer import TrainConfig, Trainer
 
 HERE = Path(__file__).resolve().parent
 MIB = 1 << 20
@@ -87,8 +87,8 @@ def sharded_rank(family: str, out_file: str) -> None:
     """One rank of the two-process sharded measurement (launched by torchrun from main)."""
     import torch.distributed as dist
 
-    from flashdraft.sharding import load_sharded_target
-    from flashdraft.train import end_distributed
+    from flashdraft.training.sharding import load_sharded_target
+    from flashdraft.training.trainer import end_distributed
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

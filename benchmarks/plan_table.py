@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from flashdraft.config import DFlashConfig
-from flashdraft.memory_plan import GIB, plan_training, target_shape
+from flashdraft.drafter.config import DFlashConfig
+from flashdraft.training.memory_plan import GIB, plan_training, target_shape
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_GIB = 80.0

@@ -22,8 +22,8 @@ import time
 import torch
 
 from flashdraft import DFlashDraftModel, DFlashProposer, Target, generate, load_target
-from flashdraft.compiled import VerifyForward, compile_verify
-from flashdraft.measure import median_seconds, static_decoder
+from flashdraft.kernels.compiled import VerifyForward, compile_verify
+from flashdraft.engine.measure import median_seconds, static_decoder
 
 
 def main() -> None:

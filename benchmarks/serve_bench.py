@@ -32,7 +32,7 @@ import httpx
 from flashdraft.bench import ServerBenchConfig, machine_info, parse_prometheus, run_server_bench
 from flashdraft.bench.config import BenchError
 from flashdraft.bench.llamacpp import find_server
-from flashdraft.datasets import load_bench_dataset
+from flashdraft.prompts.benchmarks import load_bench_dataset
 
 START, END = "<!-- flashdraft-serve:start -->", "<!-- flashdraft-serve:end -->"
 

@@ -12,9 +12,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from flashdraft.distributed import end_distributed
-from flashdraft.sharding import is_sharded, load_sharded_target
-from flashdraft.train import TrainConfig, Trainer
+from flashdraft.training.distributed import end_distributed
+from flashdraft.training.sharding import is_sharded, load_sharded_target
+from flashdraft.training.trainer import TrainConfig, Trainer
 
 
 def main(model_dir: str, data_file: str, out_file: str, drafter: str, arch: str) -> None:
@@ -44,7 +44,11 @@ def main(model_dir: str, data_file: str, out_file: str, drafter: str, arch: str)
             },
             out_file,
         )
-    del trainer, target, whole  # the sharded modules hold the process group (flashdraft/distributed.py)
+    del (
+        trainer,
+        target,
+        whole,
+    )  # the sharded modules hold the process group (flashdraft/training/distributed.py)
     end_distributed()
 
 

@@ -14,11 +14,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from conftest import OracleProposer
-from flashdraft import attention
+from flashdraft.drafter.model import DFlashDraftModel
 from flashdraft.generate import generate, generate_ar
-from flashdraft.model import DFlashDraftModel
-from flashdraft.quantize import quantize_int8
-from flashdraft.target import Target
+from flashdraft.kernels import attention
+from flashdraft.kernels.quantize import quantize_int8
+from flashdraft.targets.target import Target
 
 VOCAB = 96
 

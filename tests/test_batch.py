@@ -9,11 +9,11 @@ import torch
 
 from conftest import ARCHS, VOCAB, OracleProposer, tiny_model
 from flashdraft import DFlashDraftModel, GenerationError, Target, generate, generate_ar
-from flashdraft.batched_dflash import BatchedDFlashProposer
-from flashdraft.engine import BatchDecoder, BatchRow
+from flashdraft.engine.batched_dflash import BatchedDFlashProposer
+from flashdraft.engine.decoder import BatchDecoder, BatchRow
+from flashdraft.engine.proposers import DFlashProposer, PerRowProposers
+from flashdraft.engine.sampling import SamplingParams
 from flashdraft.generate import generate_batch
-from flashdraft.proposers import DFlashProposer, PerRowProposers
-from flashdraft.sampling import SamplingParams
 
 
 def random_prompts(n: int, seed: int, vocab: int = VOCAB) -> list[list[int]]:

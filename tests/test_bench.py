@@ -391,7 +391,7 @@ def test_a_flip_between_tied_tokens_is_a_near_tie():
 
     from conftest import tiny_model
     from flashdraft.bench.mismatches import NEAR_TIE, UNEXPLAINED, plain_logits_at, weigh_flips
-    from flashdraft.target import Target
+    from flashdraft.targets.target import Target
 
     for dtype in (torch.float32, torch.bfloat16):
         model = tiny_model("llama", seed=1).to(dtype)

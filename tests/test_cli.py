@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 from conftest import VOCAB, tiny_config
 from flashdraft import DFlashDraftModel, GenerationError, Target, generate
 from flashdraft.cli import app
-from flashdraft.packs import PACKS, PackError, resolve_model
-from flashdraft.target import TargetError, load_target, parse_device, parse_dtype
+from flashdraft.models.packs import PACKS, PackError, resolve_model
+from flashdraft.targets.target import TargetError, load_target, parse_device, parse_dtype
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def no_model_load(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the input was checked")
 
-    monkeypatch.setattr("flashdraft.target.load_target", refuse)
+    monkeypatch.setattr("flashdraft.targets.target.load_target", refuse)
     monkeypatch.setattr(DFlashDraftModel, "from_pretrained", refuse)
 
 

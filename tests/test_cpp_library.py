@@ -1,13 +1,13 @@
-"""cpp_library.py: a C++ operator library that cannot be built is a warning and None (its caller goes without the
+"""cpp_build.py: a C++ operator library that cannot be built is a warning and None (its caller goes without the
 operator), never an exception; one that builds is loaded, its exported functions callable."""
 
 import logging
 
-from flashdraft import cpp_library
+from flashdraft.kernels import cpp_build as cpp_library
 
 
 def test_a_library_that_does_not_compile_is_one_warning_and_none(caplog):
-    with caplog.at_level(logging.WARNING, logger="flashdraft.cpp_library"):
+    with caplog.at_level(logging.WARNING, logger="flashdraft.kernels.cpp_build"):
         assert cpp_library.load("this is not C++;", "a test library") is None
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
         "flashdraft: a test library did not build"

@@ -1,4 +1,4 @@
-"""cpu_attention.py: one C++ kernel for a short query's attention on a CPU. It must give attention's values for every
+"""attention_cpp.py: one C++ kernel for a short query's attention on a CPU. It must give attention's values for every
 mask form (bool, added, none: causal), grouped heads and head widths (the register paths for 64 and 128 and the
 general one), and give a query row the same bits whatever the mask's width, the rows beside it in the call, and
 where its columns sit among hidden ones (a draft tree's node against its path alone)."""
@@ -6,7 +6,8 @@ where its columns sit among hidden ones (a draft tree's node against its path al
 import pytest
 import torch
 
-from flashdraft import attention, cpu_attention
+from flashdraft.kernels import attention
+from flashdraft.kernels import attention_cpp as cpu_attention
 
 DTYPES = [torch.bfloat16, torch.float32]
 WIDTHS = [(64, 64), (128, 128), (80, 48)]  # (head, value head): the two register paths, the general one

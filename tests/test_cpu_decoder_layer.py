@@ -1,4 +1,4 @@
-"""The fused decoder layer of w8a16 targets (cpu_decoder_layer.py): one operator per layer at decode, decoding what the
+"""The fused decoder layer of w8a16 targets (decoder_layer_cpp.py): one operator per layer at decode, decoding what the
 model's own layers decode, with DFlash plain decoding of it bit for bit (one row, rows joining and leaving, eager
 and compiled); layers it cannot run keep their own forward."""
 
@@ -14,10 +14,12 @@ from conftest import (
     assert_dflash_is_plain_decoding,
     tiny_model,
 )
-from flashdraft import Target, attention, cpu_decoder_layer, generate, generate_ar, generate_batch
+from flashdraft import Target, generate, generate_ar, generate_batch
 from flashdraft.bench.mismatches import plain_logits_at
-from flashdraft.costs import CostModel
-from flashdraft.quantize import quantize
+from flashdraft.engine.costs import CostModel
+from flashdraft.kernels import attention
+from flashdraft.kernels import decoder_layer_cpp as cpu_decoder_layer
+from flashdraft.kernels.quantize import quantize
 from test_w8a16 import drafter
 
 pytestmark = pytest.mark.skipif(
@@ -99,7 +101,7 @@ def test_fused_layers_decode_what_the_model_s_layers_decode_and_dflash_is_plain_
 def test_compiled_fused_layers_are_one_call_each_and_dflash_is_plain_decoding():
     """`--quantize w8a16 --compile` fuses the layers (qwen3: its q / k norms too): the graph calls the operator once
     per layer, and DFlash is plain decoding on one row and in batches."""
-    from flashdraft.compiled import compile_verify
+    from flashdraft.kernels.compiled import compile_verify
 
     model = tiny_model("qwen3", seed=2).to(torch.bfloat16)
     quantize(model, "w8a16")

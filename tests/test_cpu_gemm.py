@@ -1,4 +1,4 @@
-"""cpu_gemm.py: the micro-kernels of inductor's C++ GEMM template in the frozen CPU graphs. The kernel that serves
+"""gemm_templates.py: the micro-kernels of inductor's C++ GEMM template in the frozen CPU graphs. The kernel that serves
 bf16 rows (AMX on CPUs with it, else the bf16 pair kernel, `vdpbf16ps`) must run a frozen graph's bf16 and int8
 linears (the one-row graph's too), give the products' values, and give a row the same bits whatever rows share the
 call; where it cannot serve (an odd k), inductor's widening kernel does. On an AMX CPU each test runs both."""
@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from flashdraft.compiled import compile_options, compile_whole
-from flashdraft.cpu_gemm import bf16_row_kernels, bf16_rows_kernel, serving_bf16_rows
+from flashdraft.kernels.compiled import compile_options, compile_whole
+from flashdraft.kernels.gemm_templates import bf16_row_kernels, bf16_rows_kernel, serving_bf16_rows
 
 # what each kernel leaves in a graph's code, once per GEMM it serves
 MARKS = {"pairs": "_mm512_dpbf16_ps(", "amx": "_tile_release()"}
@@ -87,7 +87,7 @@ def test_int8_weights_with_bf16_rows_run_the_bf16_kernel_with_a_row_s_bits_at_an
     inductor's epilogue. The graph of one row (static: inductor would skip AMX below 5 rows) runs the same kernel as
     the graph of any row count, a row gets the bits it gets alone at every row count (inductor's own avx512 kernels
     for this case differ below and above 16 rows), and the layers' values are ATen's int8 kernel's."""
-    from flashdraft.quantize import Int8Linear
+    from flashdraft.kernels.quantize import Int8Linear
 
     torch.manual_seed(0)
     up = Int8Linear(torch.nn.Linear(96, 160), torch.bfloat16)
@@ -115,7 +115,7 @@ def test_the_one_row_int8_graph_blocks_k_by_the_int8_weights_the_pair_kernel_rea
     either way (the kernel reads its sums back across k blocks); only a second pass over the accumulators goes."""
     import re
 
-    from flashdraft.quantize import Int8Linear
+    from flashdraft.kernels.quantize import Int8Linear
 
     if "pairs" not in bf16_row_kernels():
         pytest.skip("no pair kernel on this CPU")

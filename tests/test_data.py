@@ -11,10 +11,10 @@ import torch
 
 from conftest import hf_greedy, running_server, tiny_model
 from flashdraft import Target
-from flashdraft import data as data_mod
 from flashdraft.cli.data import data_app
-from flashdraft.data import DataError, load_prompts, regenerate
-from flashdraft.training_data import TrainingData, compute_features
+from flashdraft.training import regenerate as data_mod
+from flashdraft.training.dataset import TrainingData, compute_features
+from flashdraft.training.regenerate import DataError, load_prompts, regenerate
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<unk>"]
 ROLES = ["user", "assistant", "system"]
@@ -280,8 +280,8 @@ def test_no_regenerate_uses_existing_answers(target, files, tmp_path):
 
 
 def test_prompt_suffix_is_appended_to_first_turn_and_recorded(target, files, tmp_path):
-    from flashdraft.data import resolve_prompt_suffix
-    from flashdraft.datasets import BOXED_SUFFIX
+    from flashdraft.prompts.benchmarks import BOXED_SUFFIX
+    from flashdraft.training.regenerate import resolve_prompt_suffix
 
     assert resolve_prompt_suffix("boxed") == BOXED_SUFFIX and resolve_prompt_suffix(" w5") == " w5"
     m = run(target, [files["gsm"]], tmp_path, no_regenerate=True, prompt_suffix=" w5 w6")
@@ -420,8 +420,8 @@ def test_stdlib_code_prompts_are_many_distinct_and_not_benchmarks(tmp_path):
     from typer.testing import CliRunner
 
     from flashdraft.cli.data import data_app
-    from flashdraft.codeprompts import stdlib_code_prompts
-    from flashdraft.prompts import load_conversations
+    from flashdraft.prompts.code import stdlib_code_prompts
+    from flashdraft.prompts.files import load_conversations
 
     prompts = stdlib_code_prompts(seed=0)
     assert len(prompts) > 1000
@@ -449,8 +449,8 @@ def test_openai_backend_regenerates_the_same_data_through_a_server(target, files
     path, with the server's own token ids; a server without them gets its text re-encoded, and the manifest says
     which way each answer came."""
     pytest.importorskip("fastapi")
-    from flashdraft.remote import OpenAIAnswerer
     from flashdraft.serve import Engine, build_app
+    from flashdraft.training.remote import OpenAIAnswerer
 
     prompt_files = [files["gsm"], files["zlab"]]
     run(target, prompt_files, tmp_path / "local", max_turns=2)

@@ -11,8 +11,8 @@ import torch
 
 from conftest import VOCAB, tiny_model
 from flashdraft import DFlashConfig, DFlashDraftModel, Target, generate, generate_ar, generate_batch
-from flashdraft.config import DFlashConfigError
-from flashdraft.loss import selector_loss
+from flashdraft.drafter.config import DFlashConfigError
+from flashdraft.training.loss import selector_loss
 from test_train import BIGRAM_V, bigram_target, greedy_dataset, small_train_config
 
 # z-lab/Qwen3.8-27B-DFlash2 (dflash_config and the fields the reference quotes verbatim; widths of a 27B target).
@@ -142,7 +142,7 @@ def test_dflash2_decoding_is_plain_greedy_decoding(models, arch):
     )
     assert [r.new_tokens for r in batch] == refs
 
-    from flashdraft.proposers import DFlashProposer
+    from flashdraft.engine.proposers import DFlashProposer
 
     proposer = DFlashProposer(draft, target)
     ids = torch.tensor([prompts[0]])
@@ -204,7 +204,7 @@ def test_dflash2_served_requests(models):
 def test_a_v1_drafter_becomes_a_dflash2_drafter_that_proposes_the_same(models, tmp_path):
     """`as_dflash2` keeps the v1 weights and initialises the new parts to change nothing (identity convolutions,
     zero successor codes): the same proposals, exactly; saved and loaded, it is a DFlash2 checkpoint."""
-    from flashdraft.proposers import DFlashProposer
+    from flashdraft.engine.proposers import DFlashProposer
 
     model = models["qwen3"]
     target = Target(model)
@@ -276,7 +276,7 @@ def test_selector_loss_equals_a_row_by_row_reference():
 def test_dflash2_training_learns_and_exports(tmp_path):
     """A DFlash2 drafter trained on a learnable target: the loss falls, the selector and convolutions learn, the
     exported checkpoint is a DFlash2 one that decodes exactly."""
-    from flashdraft.train import Trainer
+    from flashdraft.training.trainer import Trainer
 
     model = bigram_target()
     target = Target(model)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from flashdraft import DFlashDraftModel, SamplingParams, Target, generate, generate_ar, generate_batch
-from flashdraft.costs import CostModel
-from flashdraft.sampling import verify_block_pq
+from flashdraft.engine.costs import CostModel
+from flashdraft.engine.sampling import verify_block_pq
 from test_sampling import PROMPT, V, assert_same_law, exact_joint, small_target  # noqa: F401 - fixture
 
 N_PQ = 8_000
@@ -45,7 +45,7 @@ def test_sampled_drafts_give_the_target_s_law(small_target, kind):  # noqa: F811
     rows of other lengths, rows joining and leaving (continuous batching, at most 12): chi-square p > 1e-3 and
     total variation < 0.05, as the seed-exact path's tests. With fixed blocks, drafts are accepted and rejected both
     (the cost-aware policy corrects its prices with measured step times, so how often it drafts varies by machine;
-    it mixes sampled drafts, lookup drafts and plain steps). With a draft vocabulary (draft_vocab.py), the drafts'
+    it mixes sampled drafts, lookup drafts and plain steps). With a draft vocabulary (vocab.py), the drafts'
     distributions are 0 outside half of the tokens."""
     target = Target(small_target)
     params = SamplingParams(temperature=0.9, top_p=0.95)

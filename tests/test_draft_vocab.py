@@ -1,4 +1,4 @@
-"""The drafter's vocabulary (draft_vocab.py): the LM head over the most frequent tokens, output still plain decoding's."""
+"""The drafter's vocabulary (vocab.py): the LM head over the most frequent tokens, output still plain decoding's."""
 
 from __future__ import annotations
 
@@ -10,19 +10,19 @@ from torch import nn
 
 from conftest import VOCAB, assert_batched_dflash_is_plain_decoding, assert_dflash_is_plain_decoding
 from flashdraft import DFlashDraftModel, Target, generate, generate_ar
-from flashdraft.batched_dflash import BatchedDFlashProposer
-from flashdraft.draft_vocab import (
+from flashdraft.drafter.vocab import (
     DraftVocabError,
     drafter_vocabulary,
     expand_logits,
     restrict_head,
     vocabulary_ids,
 )
-from flashdraft.engine import BatchDecoder
-from flashdraft.packed_linear import PackedLinear
-from flashdraft.packed_linear import available as onednn_available
-from flashdraft.quantize import Fp16Linear, Int8Linear, fp16_available
-from flashdraft.sampling import SamplingParams
+from flashdraft.engine.batched_dflash import BatchedDFlashProposer
+from flashdraft.engine.decoder import BatchDecoder
+from flashdraft.engine.sampling import SamplingParams
+from flashdraft.kernels.packed_linear import PackedLinear
+from flashdraft.kernels.packed_linear import available as onednn_available
+from flashdraft.kernels.quantize import Fp16Linear, Int8Linear, fp16_available
 
 
 def drafter_for(target: Target, size: int | None, seed: int = 0) -> DFlashDraftModel:
@@ -168,10 +168,10 @@ def test_the_compiled_draft_head_over_a_vocabulary_gives_the_eager_head_s_logits
     one."""
     from types import SimpleNamespace
 
-    from flashdraft.compiled import compile_options
-    from flashdraft.compiled_draft import draft_head
-    from flashdraft.model import draft_logits, scale_draft_logits
-    from flashdraft.tree import top_candidates
+    from flashdraft.drafter.model import draft_logits, scale_draft_logits
+    from flashdraft.engine.tree import top_candidates
+    from flashdraft.kernels.compiled import compile_options
+    from flashdraft.kernels.compiled_draft import draft_head
 
     torch.manual_seed(0)
     target = SimpleNamespace(compile_options=compile_options(torch.device("cpu")), model=torch.nn.Module())

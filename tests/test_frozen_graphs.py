@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from conftest import VOCAB, tiny_model
-from flashdraft import DFlashDraftModel, Target, attention, generate_ar
-from flashdraft.compiled import compile_verify
-from flashdraft.engine import BatchDecoder
+from flashdraft import DFlashDraftModel, Target, generate_ar
+from flashdraft.engine.decoder import BatchDecoder
+from flashdraft.engine.proposers import PerRowProposers
+from flashdraft.engine.sampling import SamplingParams
 from flashdraft.generate import generate
-from flashdraft.proposers import PerRowProposers
-from flashdraft.sampling import SamplingParams
+from flashdraft.kernels import attention
+from flashdraft.kernels.compiled import compile_verify
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -25,7 +26,7 @@ def test_cpu_linears_are_frozen_into_inductor_s_gemm_template_with_the_linear_s_
     through ATen). The values are the linear's, within the rounding of another summation order."""
     from torch._dynamo.utils import counters
 
-    from flashdraft.compiled import compile_options, compile_whole
+    from flashdraft.kernels.compiled import compile_options, compile_whole
 
     options = compile_options(torch.device("cpu"))
     assert (
@@ -58,7 +59,7 @@ def test_two_frozen_models_of_the_same_shapes_each_run_their_own_weights():
     skip the guards on modules: each compiled function must have code of its own, or the second model of the same
     shapes runs the first one's weights (it did, with PyTorch's `skip_guard_on_all_nn_modules_unsafe` and shared
     code). The two lambdas here share one code object, as two models' verifies share `VerifyForward._forward`."""
-    from flashdraft.compiled import compile_options, compile_whole
+    from flashdraft.kernels.compiled import compile_options, compile_whole
 
     torch.manual_seed(0)
     first, second = (
@@ -85,7 +86,7 @@ def test_frozen_graphs_are_cached_on_disk_under_their_weights(tmp_path, monkeypa
     from torch._dynamo.utils import counters
     from torch.compiler._cache import CacheArtifactManager
 
-    from flashdraft.compiled import compile_options, compile_whole
+    from flashdraft.kernels.compiled import compile_options, compile_whole
 
     def recorded() -> int:  # the cache entries torch keeps in memory for `save_cache_artifacts`
         return sum(len(artifacts) for artifacts in CacheArtifactManager._new_cache_artifacts.values())
@@ -115,7 +116,7 @@ def test_frozen_graphs_are_cached_on_disk_under_their_weights(tmp_path, monkeypa
 
 def test_a_frozen_graph_names_the_weights_it_freezes():
     """compile_whole refuses a frozen graph without its weights: its cache entry would have no name of them."""
-    from flashdraft.compiled import compile_options, compile_whole
+    from flashdraft.kernels.compiled import compile_options, compile_whole
 
     with pytest.raises(ValueError, match="weights"):
         compile_whole(lambda x: x, compile_options(torch.device("cpu")))
@@ -129,10 +130,10 @@ def test_the_compiled_draft_head_gives_the_eager_head_s_logits_for_any_number_of
 
     from torch._dynamo.utils import counters
 
-    from flashdraft.compiled import compile_options
-    from flashdraft.compiled_draft import draft_head
-    from flashdraft.model import draft_logits
-    from flashdraft.tree import top_candidates
+    from flashdraft.drafter.model import draft_logits
+    from flashdraft.engine.tree import top_candidates
+    from flashdraft.kernels.compiled import compile_options
+    from flashdraft.kernels.compiled_draft import draft_head
 
     torch.manual_seed(0)
     options = compile_options(torch.device("cpu"))
@@ -189,8 +190,8 @@ def test_the_compiled_context_projection_is_the_eager_one_in_one_graph():
 
     from torch._dynamo.utils import counters
 
-    from flashdraft.compiled import compile_options
-    from flashdraft.compiled_draft import draft_context_pass
+    from flashdraft.kernels.compiled import compile_options
+    from flashdraft.kernels.compiled_draft import draft_context_pass
 
     torch.manual_seed(0)
     model = tiny_model("llama", layers=4)
@@ -267,8 +268,8 @@ def test_the_compiled_bf16_verify_gives_a_token_the_same_bits_at_any_length():
     (plain decoding's step). At SmolLM2's widths, bf16 eager decoding and the compiled graphs through oneDNN's GEMM
     both give other bits to a token in a longer verify, and inductor's choice between them by timing gave two
     graphs different kernels (compiled.one_gemm_choice): bf16 outputs then differed from plain decoding on near-ties."""
-    from flashdraft.measure import static_decoder
-    from flashdraft.proposers import NoProposer
+    from flashdraft.engine.measure import static_decoder
+    from flashdraft.engine.proposers import NoProposer
 
     model = tiny_model(
         "llama", layers=2, hidden_size=576, intermediate_size=1536, max_position_embeddings=256

@@ -30,9 +30,9 @@ from flashdraft import (  # noqa: E402
     generate_ar,
     generate_batch,
 )
-from flashdraft.costs import CostModel  # noqa: E402
-from flashdraft.grammar import RowGrammar, compile_constraint  # noqa: E402
-from flashdraft.sampling import target_probs  # noqa: E402
+from flashdraft.engine.costs import CostModel  # noqa: E402
+from flashdraft.engine.grammar import RowGrammar, compile_constraint  # noqa: E402
+from flashdraft.engine.sampling import target_probs  # noqa: E402
 
 VOCAB = 320
 CORPUS = [
@@ -132,7 +132,7 @@ def test_the_grammar_steers_the_drafts_so_forced_text_is_accepted_whole(targets,
     """Text the grammar forces token by token (characters the tokenizer never merged: one spelling) is drafted as
     the grammar allows it, so every verify accepts all it drafted, at T=0 and with seeded sampling; the answer is
     still plain decoding's. Without the steering an untrained drafter gets none of it."""
-    import flashdraft.batched_dflash
+    import flashdraft.engine.batched_dflash
 
     target, ids, forced, drafter = forced_text(targets, 12)
     kw = dict(temperature=temperature, seed=3, response_format=forced)
@@ -149,7 +149,7 @@ def test_the_grammar_steers_the_drafts_so_forced_text_is_accepted_whole(targets,
             block_size,
             steps,
         )
-    monkeypatch.setattr(flashdraft.batched_dflash, "steer_drafts", lambda *args: 0)
+    monkeypatch.setattr(flashdraft.engine.batched_dflash, "steer_drafts", lambda *args: 0)
     unsteered = generate(target, drafter, ids, 40, block_size=8, **kw)
     assert unsteered.new_tokens == plain.new_tokens and max(unsteered.acceptance_lengths) < 3
 

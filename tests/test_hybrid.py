@@ -12,7 +12,7 @@ from conftest import HYBRID_ARCHS, VOCAB, OracleProposer, hybrid_model
 from flashdraft import DFlashDraftModel, Target, TargetError, generate, generate_ar
 from flashdraft.cli import app
 from flashdraft.generate import generate_batch
-from flashdraft.recurrent import causal_lm_class
+from flashdraft.targets.recurrent import causal_lm_class
 
 EXACT = HYBRID_ARCHS
 
@@ -97,7 +97,7 @@ def test_cli_refuses_with_one_line_before_loading(tmp_path, arch, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("weights were loaded before the target was checked")
 
-    monkeypatch.setattr("flashdraft.target.load_target", refuse)
+    monkeypatch.setattr("flashdraft.targets.target.load_target", refuse)
     args = ["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft")]
     for command in (["generate", *args, "hi"], ["eval", *args]):
         result = CliRunner().invoke(app, command)
@@ -112,7 +112,7 @@ def test_a_cache_layer_a_model_defines_for_itself_is_refused():
     plain KV layer: their state is not what a crop rolls back."""
     import transformers as tf
 
-    from flashdraft.recurrent import decoding_support
+    from flashdraft.targets.recurrent import decoding_support
 
     if not hasattr(tf, "DeepseekV4Config"):
         pytest.skip(f"transformers {tf.__version__} has no DeepSeek-V4")
@@ -123,7 +123,7 @@ def test_a_cache_layer_a_model_defines_for_itself_is_refused():
 @pytest.mark.parametrize("arch", ["qwen3_5", "jamba"])
 def test_training_on_a_hybrid_target_runs(hybrids, arch, tmp_path):
     """Training keeps no cache: a hybrid target's layers are tapped like any other and the loss goes down."""
-    from flashdraft.train import Trainer
+    from flashdraft.training.trainer import Trainer
     from test_train import small_train_config
 
     model = hybrids[arch]

@@ -32,8 +32,8 @@ if not LLAMACPP or not (Path(LLAMACPP) / "convert_hf_to_gguf.py").is_file():
 
 from flashdraft import DFlashDraftModel, generate, generate_ar, load_target  # noqa: E402
 from flashdraft.bench.llamacpp import LlamaCppServer, find_server  # noqa: E402
-from flashdraft.datasets import load_bench_dataset  # noqa: E402
-from flashdraft.packs import resolve_model  # noqa: E402
+from flashdraft.models.packs import resolve_model  # noqa: E402
+from flashdraft.prompts.benchmarks import load_bench_dataset  # noqa: E402
 
 pytestmark = pytest.mark.llamacpp
 
@@ -139,7 +139,7 @@ def test_dflash2_drafter_in_llamacpp_accepts_what_flashdraft_accepts(setup, ship
     and argmax selector, then seeded noise on both (convolutions 0.01, selector 0.3), so that the selector's
     pairwise term decides some drafts. A near-uniform selector (much smaller noise on it together with larger on the
     convolutions) has near-ties between candidates, which fp32 kernels of two engines may break differently."""
-    from flashdraft.export import export_drafter
+    from flashdraft.training.export import export_drafter
 
     target, shipped, prompts = setup.target, setup.draft, setup.prompts
     torch.manual_seed(0)  # the fresh predecessor codes

@@ -13,8 +13,10 @@ from typer.testing import CliRunner
 
 from conftest import hybrid_model, tiny_model
 from flashdraft.cli import app
-from flashdraft.config import DFlashConfig
-from flashdraft.memory_plan import (
+from flashdraft.drafter.config import DFlashConfig
+from flashdraft.drafter.model import DFlashDraftModel
+from flashdraft.targets.target import Target
+from flashdraft.training.memory_plan import (
     drafter_params,
     drafter_shape,
     largest_batch,
@@ -22,9 +24,7 @@ from flashdraft.memory_plan import (
     plan_training,
     target_shape,
 )
-from flashdraft.model import DFlashDraftModel
-from flashdraft.target import Target
-from flashdraft.train import TrainConfig, Trainer
+from flashdraft.training.trainer import TrainConfig, Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 

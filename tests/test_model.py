@@ -192,7 +192,7 @@ def test_draft_logits_and_block_inputs_follow_the_drafter_keys(models, arch):
     """Draft logits = softcap(m * lm_head(h)) with the drafter's keys (multiplier first), the block input = the
     target's raw embedding rows * input_embedding_scale. A drafter made for a target carries that target's
     embedding scale (Gemma: sqrt(H)), so its input is what the target's own embedding gives."""
-    from flashdraft.proposers import DFlashProposer
+    from flashdraft.engine.proposers import DFlashProposer
 
     model = models[arch]
     target = Target(model)
@@ -217,7 +217,7 @@ def test_a_drafter_cast_to_the_proposer_s_precision_is_copied_once(models):
     """A drafter run in another precision than its own is copied once per dtype, so what is compiled for the copy
     (its block pass: seconds on a CPU) is not compiled again at every generate(); copied again once its weights
     change, and without what was cached on the drafter for its own precision (its compiled block passes)."""
-    from flashdraft.proposers import DFlashProposer
+    from flashdraft.engine.proposers import DFlashProposer
 
     target = Target(models["llama"])
     draft = DFlashDraftModel.for_target(
@@ -328,7 +328,7 @@ def test_mask_embedding_file_replaces_the_mask_row(tmp_path):
     `as_dflash2`; a file of the wrong size is one clear error."""
     from transformers import AutoModelForCausalLM
 
-    from flashdraft.proposers import DFlashProposer
+    from flashdraft.engine.proposers import DFlashProposer
 
     torch.manual_seed(0)
     target_model = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
@@ -456,7 +456,7 @@ def test_a_bf16_cpu_draft_pass_attends_through_the_kernel_with_sdpa_s_values(mon
     """Inference in bf16 on a CPU: a block's attention over a static context cache (capacity-wide, its padding
     hidden by the mask) runs cpu_attention's kernel, grouped K/V heads read in place, and gives the drafter the
     values SDPA gives it (the path with gradients: the kernel has no backward), sliding layers too."""
-    from flashdraft import cpu_attention
+    from flashdraft.kernels import attention_cpp as cpu_attention
 
     assert cpu_attention.prepare(torch.bfloat16), "the bf16 kernel did not build"
     calls = []

@@ -15,8 +15,8 @@ import torch
 
 from conftest import _common, byte_tokenizer, hybrid_config, running_server
 from flashdraft import DFlashDraftModel, Target, generate, generate_ar, generate_batch
-from flashdraft.multimodal import ImageError, ImagePrompt, encode_image_prompt, load_image
-from flashdraft.target import load_target
+from flashdraft.targets.multimodal import ImageError, ImagePrompt, encode_image_prompt, load_image
+from flashdraft.targets.target import load_target
 
 tf = pytest.importorskip("transformers")
 Image = pytest.importorskip("PIL.Image")
@@ -214,7 +214,7 @@ def test_multimodal_rope_shift_is_kept_per_row_and_through_the_static_cache(fami
 def test_multimodal_rope_whose_language_model_takes_no_text_positions_is_refused_before_decoding(family):
     """The engine gives a multimodal-RoPE model [4, b, n] positions on every step; a language model that does not
     split off the text row would read it as rotary sections and decode wrong, so such a target is refused."""
-    from flashdraft.target import TargetError
+    from flashdraft.targets.target import TargetError
 
     model, drafter, prompts = family
     language_model = model.get_decoder()
@@ -403,9 +403,9 @@ def test_training_rows_with_images_regenerate_pack_and_train_on_what_the_target_
     drafter trains on them. A bad image skips its row; a changed one stops training with one line naming it."""
     import shutil
 
-    from flashdraft.data import DataError, regenerate
-    from flashdraft.train import TrainConfig, Trainer
-    from flashdraft.training_data import TrainingData, compute_features, pack_data
+    from flashdraft.training.dataset import TrainingData, compute_features, pack_data
+    from flashdraft.training.regenerate import DataError, regenerate
+    from flashdraft.training.trainer import TrainConfig, Trainer
 
     root = llava_on_disk
     target = load_target(str(root / "target"), dtype="float32", device="cpu")
@@ -439,7 +439,7 @@ def test_training_rows_with_images_regenerate_pack_and_train_on_what_the_target_
     # the trainer's features: what the engine's prefill of the image prompt taps, then the answer after it
     taps = [0, 1]
     ids = item["input_ids"][None]
-    from flashdraft.training_data import image_inputs
+    from flashdraft.training.dataset import image_inputs
 
     trained = target.features(ids, taps, image_inputs(target, item, ids, "cat"))
     prefill = target.forward(prompt.input_ids, None, taps, inputs=prompt.inputs).features
@@ -502,8 +502,8 @@ def test_training_features_of_image_sequences_are_what_decoding_taps_and_the_los
     and sliding window, LLaVA): the trainer's one forward over an image prompt and the target's answer taps what
     decoding taps (the prefill with the image, then the answer after it at the positions the engine gives), and a
     drafter trains on such sequences (the Python API's form: the processor's outputs beside the ids)."""
-    from flashdraft.train import TrainConfig, Trainer
-    from flashdraft.training_data import image_inputs
+    from flashdraft.training.dataset import image_inputs
+    from flashdraft.training.trainer import TrainConfig, Trainer
 
     model, _, prompts = family
     target = Target(model)

@@ -19,9 +19,9 @@ from conftest import (
     tiny_model,
 )
 from flashdraft import Target, load_target
-from flashdraft import packed_linear as pl
-from flashdraft.model import DFlashDraftModel, draft_logits
-from flashdraft.proposers import DFlashProposer
+from flashdraft.drafter.model import DFlashDraftModel, draft_logits
+from flashdraft.engine.proposers import DFlashProposer
+from flashdraft.kernels import packed_linear as pl
 
 pytestmark = pytest.mark.skipif(not pl.available(), reason="this torch has no oneDNN fp32 linear")
 
@@ -117,8 +117,8 @@ def test_the_draft_head_runs_the_packed_head():
 
 
 def test_load_target_packs_and_compile_puts_the_layers_back(tmp_path):
-    from flashdraft.compiled import compile_verify
-    from flashdraft.measure import cost_key
+    from flashdraft.engine.measure import cost_key
+    from flashdraft.kernels.compiled import compile_verify
 
     tok = byte_tokenizer(["a packed target", "and its tokenizer"] * 4, VOCAB)
     saved = on_disk(Target(tiny_model("llama"), tok), tmp_path)

@@ -1,4 +1,4 @@
-"""Tests for flashdraft.packs: offline model packs assembled from PyPI wheels.
+"""Tests for flashdraft.models.packs: offline model packs assembled from PyPI wheels.
 
 Everything except the ``slow`` test runs offline on fake wheels in tmp_path, with the download and the
 (heavy) GGUF conversion monkeypatched.
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from flashdraft import packs
-from flashdraft.packs import MARKER_FILE, ModelPack, PackError
+from flashdraft.models import packs
+from flashdraft.models.packs import MARKER_FILE, ModelPack, PackError
 
 FAKE = "fake-pack"
 # Distinct pieces of different lengths: any other order changes the hash.

@@ -7,16 +7,16 @@ import torch
 
 from conftest import VOCAB
 from flashdraft import DFlashDraftModel, Target, generate, generate_ar
-from flashdraft.batched_dflash import MAX_SKIP_STEPS, BatchedDFlashProposer
-from flashdraft.calibration import BELOW_PRIOR, DEPTH_GROUPS, Calibration
-from flashdraft.costs import CostModel
-from flashdraft.engine import BatchDecoder
+from flashdraft.engine.batched_dflash import MAX_SKIP_STEPS, BatchedDFlashProposer
+from flashdraft.engine.calibration import BELOW_PRIOR, DEPTH_GROUPS, Calibration
+from flashdraft.engine.costs import CostModel
+from flashdraft.engine.decoder import BatchDecoder
+from flashdraft.engine.kv_cache import bucket
+from flashdraft.engine.lookup import LookupIndex, prompt_lookup
+from flashdraft.engine.measure import measure_costs
+from flashdraft.engine.policy import AcceptanceTable, best_verify_length, expected_tokens
+from flashdraft.engine.sampling import SamplingParams
 from flashdraft.generate import run
-from flashdraft.kv_cache import bucket
-from flashdraft.lookup import LookupIndex, prompt_lookup
-from flashdraft.measure import measure_costs
-from flashdraft.policy import AcceptanceTable, best_verify_length, expected_tokens
-from flashdraft.sampling import SamplingParams
 
 
 def cpu_like_costs(block: int = 8, draft_s: float = 0.2) -> CostModel:
@@ -300,7 +300,7 @@ def test_verify_lengths_are_timed_in_interleaved_rounds(monkeypatch):
     """The cost model times its verify lengths in rounds, each length once a round after a warm-up of each, so a
     slow stretch of the machine prices them alike: here the clock runs slow for the first three calls after the
     warm-ups, and every length still gets its own median."""
-    import flashdraft.measure as measure
+    import flashdraft.engine.measure as measure
 
     calls, clock = [], iter(range(1000))
     slow = {"left": 3}
@@ -325,7 +325,7 @@ def test_verify_lengths_are_timed_in_interleaved_rounds(monkeypatch):
 def test_no_verify_length_is_priced_above_a_longer_one(tiny, monkeypatch):
     """A shorter verify timed dearer than a longer one was timed in a slow stretch: each length is capped by every
     longer one's time, at each context, and lengths already in order keep their own times."""
-    import flashdraft.measure as measure
+    import flashdraft.engine.measure as measure
 
     assert measure.no_dearer_than_longer([5.0, 3.0, 4.0, 2.0, 6.0]) == [2.0, 2.0, 2.0, 2.0, 6.0]
     assert measure.no_dearer_than_longer([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import flashdraft.quantize as quantize_module
+import flashdraft.kernels.quantize as quantize_module
 from conftest import (
     HYBRID_ARCHS,
     VOCAB,
@@ -23,8 +23,8 @@ from conftest import (
     tiny_model,
 )
 from flashdraft import Target, generate, generate_ar
-from flashdraft.model import DFlashDraftModel
-from flashdraft.quantize import (
+from flashdraft.drafter.model import DFlashDraftModel
+from flashdraft.kernels.quantize import (
     PREFILL_GEMM_ROWS,
     Fp16Linear,
     Int8Linear,
@@ -260,7 +260,7 @@ def test_what_int8_cannot_run_is_refused():
 
 def test_an_int8_target_is_priced_apart():
     """The cost model is cached per model, dtype and threads: int8 weights get a price list of their own."""
-    from flashdraft.measure import cost_key
+    from flashdraft.engine.measure import cost_key
 
     plain = Target(tiny_model("llama").to(torch.bfloat16))
     int8 = Target(quantized("llama"))
@@ -277,7 +277,7 @@ def test_an_fp32_int8_layer_is_the_kernel_s_product_eager_and_compiled():
     fp32 x int8 micro-kernel compiled.py registers), and both agree with ATen's int8 kernel to fp32 rounding."""
     from torch._dynamo.utils import counters
 
-    from flashdraft.compiled import compile_options, compile_whole
+    from flashdraft.kernels.compiled import compile_options, compile_whole
 
     torch.manual_seed(0)
     q = Int8Linear(nn.Linear(96, 200, bias=True), compute_dtype=torch.float32).eval()
@@ -299,7 +299,7 @@ def test_compiled_fp32_int8_layers_give_a_row_its_bits_at_any_row_count():
     engine compiles them: a row's outputs are the same bits whether 1 or up to 17 rows share the call (the template
     sums each row alone, in one order). The verify as a whole is not batch-invariant in fp32: its attention products
     go to ATen's GEMMs (benchmarks/README.md)."""
-    from flashdraft.compiled import compile_options, compile_whole
+    from flashdraft.kernels.compiled import compile_options, compile_whole
 
     torch.manual_seed(0)
     # each layer its own input, so none is fused with another (`_register_int8_concat_linear`); q / k / v as one
@@ -330,8 +330,8 @@ def test_compiled_int8_layers_reading_one_input_are_one_gemm_with_their_values(d
     pair kernel serves them (cpu_gemm.bf16_rows_kernel)."""
     from torch._dynamo.utils import counters
 
-    from flashdraft.compiled import compile_options, compile_whole, int8_concat_row_dtypes
-    from flashdraft.kv_cache import symbolic_sizes
+    from flashdraft.engine.kv_cache import symbolic_sizes
+    from flashdraft.kernels.compiled import compile_options, compile_whole, int8_concat_row_dtypes
 
     if dtype not in int8_concat_row_dtypes():
         pytest.skip(f"{dtype} rows keep one GEMM per int8 layer on this CPU (no AMX or avx512_bf16)")
@@ -372,7 +372,7 @@ def test_compiled_int8_layers_reading_one_input_are_one_gemm_with_their_values(d
 def test_compiled_dflash_on_an_fp32_int8_target_is_plain_decoding_of_it():
     """`--quantize int8 --dtype float32 --compile`: greedy and seeded sampling, a random drafter and an oracle,
     one row and rows joining and leaving a batch, all emit plain decoding of the same compiled int8 model."""
-    from flashdraft.compiled import compile_verify
+    from flashdraft.kernels.compiled import compile_verify
 
     model = tiny_model("llama", seed=2)
     quantize(model, "int8")
@@ -398,7 +398,7 @@ def test_batched_dflash_on_an_fp16_target_is_plain_decoding_of_each_row():
 
 @needs_fbgemm
 def test_compile_leaves_an_fp16_target_eager():
-    from flashdraft.compiled import compile_verify
+    from flashdraft.kernels.compiled import compile_verify
 
     target = Target(quantized("llama", scheme="fp16"))
     note = compile_verify(target)

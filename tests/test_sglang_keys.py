@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from conftest import tiny_model
 from flashdraft import DFlashDraftModel
-from flashdraft.export import export_drafter
+from flashdraft.training.export import export_drafter
 
 SGLANG_ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
 LAYER_WEIGHTS = [

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import hybrid_model, tiny_model, workers_stderr
-from flashdraft.target import Target
-from flashdraft.train import TrainConfig, Trainer
+from flashdraft.targets.target import Target
+from flashdraft.training.trainer import TrainConfig, Trainer
 
 
 def _dataset(model, n: int = 4, seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -99,8 +99,8 @@ def test_end_distributed_frees_the_process_group_of_a_sharded_run(tmp_path, monk
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from flashdraft.distributed import end_distributed, init_distributed
-    from flashdraft.sharding import is_sharded, shard_decoder
+    from flashdraft.training.distributed import end_distributed, init_distributed
+    from flashdraft.training.sharding import is_sharded, shard_decoder
 
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.setenv(name, "")  # remembers the value before the test, which is restored after it

@@ -11,13 +11,10 @@ import pytest
 import torch
 
 from conftest import VOCAB, OracleProposer, hybrid_model, tiny_model
-from flashdraft import DFlashDraftModel, Target, attention, generate_ar
-from flashdraft.compiled import compile_verify, verify_forward
-from flashdraft.compiled_draft import draft_block_pass
-from flashdraft.costs import CostModel
-from flashdraft.engine import BatchDecoder
-from flashdraft.generate import generate, generate_batch, run
-from flashdraft.kv_cache import (
+from flashdraft import DFlashDraftModel, Target, generate_ar
+from flashdraft.engine.costs import CostModel
+from flashdraft.engine.decoder import BatchDecoder
+from flashdraft.engine.kv_cache import (
     CAPACITY_STEP,
     MASK_STEP,
     VERIFY_BUCKETS,
@@ -26,9 +23,13 @@ from flashdraft.kv_cache import (
     kv_layers,
     static_mask,
 )
-from flashdraft.measure import cost_key, measure_costs
-from flashdraft.proposers import PerRowProposers
-from flashdraft.sampling import SamplingParams
+from flashdraft.engine.measure import cost_key, measure_costs
+from flashdraft.engine.proposers import PerRowProposers
+from flashdraft.engine.sampling import SamplingParams
+from flashdraft.generate import generate, generate_batch, run
+from flashdraft.kernels import attention
+from flashdraft.kernels.compiled import compile_verify, verify_forward
+from flashdraft.kernels.compiled_draft import draft_block_pass
 
 STATIC_ARCHS = ["llama", "qwen2", "qwen3", "mistral"]  # kv_cache.STATIC_FAMILIES, each checked here
 EAGER_GRAPH = {"backend": "eager"}  # dynamo traces the whole verify (fullgraph), the kernels stay eager
@@ -250,7 +251,7 @@ def test_a_caller_in_inference_mode_compiles_nothing_mid_answer(models, monkeypa
     CPUs, 9.5 s on an H100, each on the run's first plain step. Each mode's graphs are made before its first step."""
     from torch._dynamo.utils import counters
 
-    import flashdraft.batched_dflash as batched
+    import flashdraft.engine.batched_dflash as batched
 
     model, draft, target = _traced_llama(models)
     prompt = list(range(5, 25))
@@ -278,7 +279,7 @@ def test_a_batch_s_last_row_drafting_alone_compiles_nothing_mid_answer(models, m
     take it doubled: no graph is made after the first step, and every row answers as plain decoding."""
     from torch._dynamo.utils import counters
 
-    import flashdraft.batched_dflash as batched
+    import flashdraft.engine.batched_dflash as batched
 
     model, draft, target = _traced_llama(models)
     lengths = [1, 2, 4, 8]  # a verify costs one step whatever its length: drafting always pays
@@ -387,8 +388,8 @@ def test_static_verify_prices_the_bucket_lengths_and_the_engine_s_draft_pass(mod
     target.static_cache = True
     if compiled:
         target.compile_options = EAGER_GRAPH
-    from flashdraft.batched_dflash import BatchedDFlashProposer
-    from flashdraft.proposers import DFlashProposer
+    from flashdraft.engine.batched_dflash import BatchedDFlashProposer
+    from flashdraft.engine.proposers import DFlashProposer
 
     timed = {"eager proposer": 0, "engine's proposer": 0}
 
@@ -460,7 +461,7 @@ def test_a_server_decodes_through_the_compiled_verify(models):
 def test_the_static_draft_context_holds_what_a_growing_one_holds():
     """Rows joining and leaving, growth past the capacity, compaction: the static context's used columns are the
     growing one's, and every column past them is padding the mask hides."""
-    from flashdraft.kv_cache import PAD_POSITION, DraftContextCache
+    from flashdraft.engine.kv_cache import PAD_POSITION, DraftContextCache
 
     torch.manual_seed(0)
     growing, static = DraftContextCache(ragged=True), DraftContextCache(ragged=True, capacity=CAPACITY_STEP)
@@ -534,7 +535,7 @@ def test_cuda_graphs_decode_what_the_eager_gpu_path_decodes(models, block_size, 
 def test_the_static_cache_serves_only_what_it_is_verified_on(models, monkeypatch):
     """A family not checked token for token, or attention that would not take the engine's mask (FlashAttention-2
     reads a mask as padding only), keeps the growing cache: exact, eagerly, and `--compile` says why."""
-    import flashdraft.kv_cache as kv_cache
+    import flashdraft.engine.kv_cache as kv_cache
 
     target = Target(models["llama"])
     assert kv_cache.static_refusal(target) is None

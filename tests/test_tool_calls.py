@@ -12,7 +12,7 @@ pytest.importorskip("xgrammar")
 
 from conftest import OracleProposer, byte_tokenizer, dflash_and_plain_servers, on_disk, tiny_model  # noqa: E402
 from flashdraft import DFlashDraftModel, Target, generate, generate_ar  # noqa: E402
-from flashdraft.tool_calls import (  # noqa: E402
+from flashdraft.engine.tool_calls import (  # noqa: E402
     ToolCallParser,
     ToolChoice,
     ToolError,

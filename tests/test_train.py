@@ -11,7 +11,8 @@ import torch
 
 from conftest import VOCAB, tiny_model, workers_stderr
 from flashdraft import DFlashDraftModel, DFlashProposer, Target, generate, generate_ar
-from flashdraft.blocks import (
+from flashdraft.drafter.model import draft_logits
+from flashdraft.training.blocks import (
     default_gamma,
     draft_hidden_for_blocks,
     init_layers_from_target,
@@ -19,8 +20,7 @@ from flashdraft.blocks import (
     sample_anchors,
     slot_weights,
 )
-from flashdraft.loss import target_distribution, weighted_block_loss
-from flashdraft.model import draft_logits
+from flashdraft.training.loss import target_distribution, weighted_block_loss
 
 
 def test_anchor_sampling_hand_worked():
@@ -153,7 +153,7 @@ def test_init_layers_from_the_targets_top_layers(models):
 
 def test_training_attention_mask_hand_worked():
     """Two blocks (B=3) anchored at 2 and 4 over a 6-token context."""
-    from flashdraft.config import DFlashConfig
+    from flashdraft.drafter.config import DFlashConfig
 
     cfg = DFlashConfig(
         hidden_size=16,
@@ -311,7 +311,7 @@ def greedy_dataset(model, n: int, prompt_len: int = 4, new: int = 40, seed: int 
 
 
 def small_train_config(out_dir, **overrides):
-    from flashdraft.train import TrainConfig
+    from flashdraft.training.trainer import TrainConfig
 
     base = dict(
         out_dir=str(out_dir),
@@ -343,7 +343,7 @@ def mean_tau(target, draft, n_prompts: int = 8, seed: int = 123) -> float:
 
 
 def test_short_cpu_training_raises_tau_above_3(tmp_path):
-    from flashdraft.train import Trainer
+    from flashdraft.training.trainer import Trainer
 
     torch.set_num_threads(1)
     model = bigram_target()
@@ -360,7 +360,7 @@ def test_short_cpu_training_raises_tau_above_3(tmp_path):
 
 
 def test_resume_reaches_the_same_parameters(tmp_path):
-    from flashdraft.train import Trainer
+    from flashdraft.training.trainer import Trainer
 
     model = bigram_target()
     target = Target(model)
@@ -395,8 +395,8 @@ def test_resume_reaches_the_same_parameters(tmp_path):
 def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str, result_file: str) -> None:
     import torch.distributed as dist
 
-    from flashdraft.distributed import end_distributed
-    from flashdraft.train import Trainer
+    from flashdraft.training.distributed import end_distributed
+    from flashdraft.training.trainer import Trainer
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -419,7 +419,7 @@ def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str, result_file
 def test_ddp_two_processes_match_one_process_with_same_global_batch(tmp_path):
     import torch.multiprocessing as mp
 
-    from flashdraft.train import Trainer
+    from flashdraft.training.trainer import Trainer
 
     result = tmp_path / "ddp.pt"
     mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "ddp"), str(result)), nprocs=2)
@@ -441,7 +441,7 @@ def test_padded_micro_batches_train_like_one_forward_per_sequence(tmp_path, monk
     monkeypatch.setenv(
         "FLASHDRAFT_COMPILE", '{"backend": "eager"}'
     )  # dynamo's graphs, eager kernels (no compiler)
-    from flashdraft.train import Trainer
+    from flashdraft.training.trainer import Trainer
 
     model = bigram_target()
     data = []
@@ -481,8 +481,8 @@ def test_flex_block_mask_matches_dense_mask(layer_types, gpu_machine, monkeypatc
     H100's torch 2.11 failed to build its CPU kernel when the choice followed torch.cuda.is_available())."""
     import warnings
 
-    import flashdraft.model as model_module
-    from flashdraft.config import DFlashConfig
+    import flashdraft.drafter.model as model_module
+    from flashdraft.drafter.config import DFlashConfig
 
     cfg = DFlashConfig(
         hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
@@ -574,8 +574,8 @@ def test_cli_regenerate_train_evaluate_export(tmp_path):
     assert "answer tokens from prompts.jsonl (greedy)" in card  # the model card records how the data was made
     assert (out / "checkpoints" / "last.pt").exists() and (out / "train_log.jsonl").exists()
     # the answers it trained on, counted: what its draft vocabulary (--draft-vocab) is drawn from
-    from flashdraft.draft_vocab import load_token_counts
-    from flashdraft.training_data import TrainingData
+    from flashdraft.drafter.vocab import load_token_counts
+    from flashdraft.training.dataset import TrainingData
 
     counts, source = load_token_counts(out)
     data = TrainingData(data_dir, features=False)
@@ -632,7 +632,7 @@ def test_torchrun_cli_two_processes_match_one_process(tmp_path):
 
     from safetensors.torch import load_file
 
-    from flashdraft.training_data import TrainingData
+    from flashdraft.training.dataset import TrainingData
     from test_data import make_tokenizer
 
     model_dir = tmp_path / "tiny-target"

@@ -9,22 +9,13 @@ import pytest
 import torch
 
 from conftest import VOCAB, hybrid_model, tiny_model
-from flashdraft import (
-    DFlashDraftModel,
-    SamplingParams,
-    Target,
-    attention,
-    generate,
-    generate_ar,
-    generate_batch,
-)
-from flashdraft.batched_dflash import BatchedDFlashProposer
-from flashdraft.costs import CostModel
-from flashdraft.engine import BatchDecoder
-from flashdraft.generate import run
-from flashdraft.kv_cache import static_mask
-from flashdraft.proposers import BatchProposer
-from flashdraft.tree import (
+from flashdraft import DFlashDraftModel, SamplingParams, Target, generate, generate_ar, generate_batch
+from flashdraft.engine.batched_dflash import BatchedDFlashProposer
+from flashdraft.engine.costs import CostModel
+from flashdraft.engine.decoder import BatchDecoder
+from flashdraft.engine.kv_cache import static_mask
+from flashdraft.engine.proposers import BatchProposer
+from flashdraft.engine.tree import (
     accepted_path,
     add_branch,
     ancestor_mask,
@@ -34,6 +25,8 @@ from flashdraft.tree import (
     grow_tree,
     tree_window,
 )
+from flashdraft.generate import run
+from flashdraft.kernels import attention
 from test_sampling import PROMPT, V, assert_same_law, exact_joint, small_target  # noqa: F401 - fixture
 
 TREE_ARCHS = ["llama", "qwen3", "gemma3"]
@@ -361,7 +354,7 @@ def test_a_fixed_block_verifies_n_nodes_also_where_the_best_n_form_a_chain(monke
     """`--block-size B --tree N`: every step verifies the tree of its N best nodes, also where those are the block's
     first N drafts (a chain: here the drafter is sure of its own drafts), never the whole block (which measured a
     2-node "tree" at a 15-node chain's τ)."""
-    import flashdraft.batched_dflash as batched
+    import flashdraft.engine.batched_dflash as batched
 
     def sure_of_its_drafts(candidates, p, keys, budget, below=None):
         sure = torch.full_like(p, 0.01)
@@ -391,7 +384,7 @@ def test_dflash_trees_through_the_compiled_graphs_decode_as_plain():
     """Compiled (static cache, frozen graphs): the drafter's head reduces each slot's tree candidates inside its
     graph and the verify reduces the target's greedy tokens inside its own; the DFlash proposer's trees decode as
     plain decoding, and trees really ran (rows joining and leaving: the eager tests and the compiled oracle's)."""
-    from flashdraft.compiled import compile_verify
+    from flashdraft.kernels.compiled import compile_verify
 
     target = Target(tiny_model("llama", seed=3, max_position_embeddings=512))
     assert compile_verify(target) is None
@@ -408,7 +401,7 @@ def test_dflash_trees_through_the_compiled_graphs_decode_as_plain():
 def test_lookup_branches_in_trees_decode_as_plain(monkeypatch, temperature):
     """Prompts that repeat themselves, so prompt lookup matches: its continuation joins the drafter's trees as a
     branch; single and batched (rows joining and leaving), greedy and seeded, the output is plain decoding's."""
-    import flashdraft.batched_dflash as batched
+    import flashdraft.engine.batched_dflash as batched
 
     grafted = []
 
@@ -470,8 +463,8 @@ def _tree_exact_cpu() -> bool:
     """A row-invariant kernel for bf16 rows (AMX, or the pair kernel with avx512_bf16: cpu_gemm.bf16_rows_kernel)
     and cpu_attention's kernel built: where it does not (torch 2.11 on an H200 machine's Xeon, 2026-11-29), trees
     are refused."""
-    from flashdraft import cpu_attention
-    from flashdraft.cpu_gemm import bf16_rows_kernel
+    from flashdraft.kernels import attention_cpp as cpu_attention
+    from flashdraft.kernels.gemm_templates import bf16_rows_kernel
 
     return bf16_rows_kernel() is not None and cpu_attention.prepare(torch.bfloat16)
 
@@ -480,8 +473,8 @@ def test_the_compiled_cpu_path_in_reduced_precision_verifies_trees_only_where_th
     """Compiled on a CPU in bf16, trees where cpu_attention's kernel and AMX or the pair GEMM kernel keep a
     node's bits (the next test); chains elsewhere, and in fp16 (the refusal is what the proposer and `--verbose`
     report). Eager bf16 and compiled fp32 keep trees."""
-    from flashdraft.compiled import compile_options
-    from flashdraft.tree import tree_refusal
+    from flashdraft.engine.tree import tree_refusal
+    from flashdraft.kernels.compiled import compile_options
 
     bf16 = Target(tiny_model("llama").to(torch.bfloat16))
     assert tree_refusal(bf16) is None
@@ -508,7 +501,7 @@ def test_oracle_trees_decode_as_plain_compiled_in_bf16():
     """The compiled bf16 CPU path (frozen graphs, cpu_attention's kernel over a mask as narrow as the columns in
     use): random trees, rows joining and leaving, greedy and seeded sampling, every output equal to the same
     compiled target's plain decoding, bit for bit (a node's logits are its path's)."""
-    from flashdraft.compiled import compile_verify
+    from flashdraft.kernels.compiled import compile_verify
 
     target = Target(tiny_model("llama", seed=2, max_position_embeddings=512).to(torch.bfloat16))
     assert compile_verify(target) is None

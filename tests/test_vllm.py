@@ -42,7 +42,7 @@ pytest.importorskip("vllm", reason="vLLM's CPU package: make test-vllm")
 
 from conftest import hf_greedy  # noqa: E402
 from flashdraft import DFlashDraftModel, Target, generate  # noqa: E402
-from flashdraft.export import export_drafter  # noqa: E402
+from flashdraft.training.export import export_drafter  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -79,7 +79,7 @@ def save_target(arch: str, out: Path):
 
 
 def export_draft(target, out: Path, *, layers: int = 1, arch: str = "dflash") -> DFlashDraftModel:
-    """A random drafter, exported as `flashdraft train` exports one, token counts included (draft_vocab.py: the
+    """A random drafter, exported as `flashdraft train` exports one, token counts included (vocab.py: the
     folder must still load in vLLM). Each layer's k_norm gets a different scale, so a kernel that applied one layer's
     norm to another would change the drafts."""
     draft = DFlashDraftModel.for_target(
@@ -202,7 +202,7 @@ def flashdraft_drafts(
 ):
     """What flashdraft's proposer drafts at each of those steps, from the same context: the prompt and the tokens
     before the step's anchor (the target's features), then the anchor and `slots` mask slots."""
-    from flashdraft.proposers import DFlashProposer
+    from flashdraft.engine.proposers import DFlashProposer
 
     wrapped = Target(target)
     drafts, made = [], 1

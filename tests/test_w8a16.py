@@ -1,4 +1,4 @@
-"""--quantize w8a16: int8 weights, each row held as 16-bit integers and multiplied in integers (cpu_w8a16.py). A layer
+"""--quantize w8a16: int8 weights, each row held as 16-bit integers and multiplied in integers (w8a16_cpp.py). A layer
 is that arithmetic; a row gets the same bits whatever rows share the call and whichever kernel runs it, eager and
 compiled; layers of one input are one kernel call in a compiled graph; DFlash decodes what plain decoding of the
 same model decodes; a CPU without the kernel is refused in one line."""
@@ -18,9 +18,10 @@ from conftest import (
     hybrid_model,
     tiny_model,
 )
-from flashdraft import Target, cpu_w8a16
-from flashdraft.model import DFlashDraftModel
-from flashdraft.quantize import QuantizeError, W8A16Linear, check_quantize, quantization_of, quantize
+from flashdraft import Target
+from flashdraft.drafter.model import DFlashDraftModel
+from flashdraft.kernels import w8a16_cpp as cpu_w8a16
+from flashdraft.kernels.quantize import QuantizeError, W8A16Linear, check_quantize, quantization_of, quantize
 
 needs_kernel = pytest.mark.skipif(
     not cpu_w8a16.prepare(), reason="the w8a16 kernel needs avx512_vnni and avx512_bf16 (and a C++ compiler)"
@@ -115,7 +116,7 @@ def test_compiled_w8a16_layers_of_one_input_are_one_call_and_keep_a_row_s_bits()
     whole tile stay apart (the first one's padding would shift the second one's outputs)."""
     from torch._dynamo.utils import counters
 
-    from flashdraft.compiled import compile_options, compile_whole
+    from flashdraft.kernels.compiled import compile_options, compile_whole
 
     torch.manual_seed(0)
     q, k, v, o = (W8A16Linear(nn.Linear(576, n, bias=False).to(torch.bfloat16)) for n in (576, 192, 192, 576))
@@ -164,7 +165,7 @@ def test_dflash_on_a_w8a16_target_is_plain_decoding_of_it(arch):
 @needs_kernel
 def test_compiled_dflash_on_a_w8a16_target_is_plain_decoding_of_it():
     """`--quantize w8a16 --compile`: one row and rows joining and leaving a batch."""
-    from flashdraft.compiled import compile_verify
+    from flashdraft.kernels.compiled import compile_verify
 
     model = tiny_model("llama", seed=2).to(torch.bfloat16)
     quantize(model, "w8a16")
@@ -177,7 +178,7 @@ def test_compiled_dflash_on_a_w8a16_target_is_plain_decoding_of_it():
 
 @needs_kernel
 def test_a_w8a16_head_over_a_drafter_s_vocabulary_keeps_each_row_s_bits():
-    """select_rows (draft_vocab.py): the head over some tokens gives those tokens' logits bit for bit."""
+    """select_rows (vocab.py): the head over some tokens gives those tokens' logits bit for bit."""
     torch.manual_seed(4)
     head = W8A16Linear(nn.Linear(96, 300, bias=False).to(torch.bfloat16))
     ids = torch.tensor([0, 5, 17, 64, 299, 100])
@@ -210,7 +211,7 @@ def test_a_cpu_without_w8a16_s_features_is_refused_naming_them_before_any_build(
 ):
     """On any machine, the CPU's features faked: an Ice Lake or Cascade Lake Xeon has avx512_vnni but not avx512_bf16
     (the kernel's `vcvtneps2bf16`): refused in one line naming what it lacks, nothing built, no layer made."""
-    from flashdraft import cpp_library
+    from flashdraft.kernels import cpp_build as cpp_library
 
     monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: vnni)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
@@ -238,7 +239,7 @@ def test_a_process_without_w8a16_layers_compiles_frozen_graphs():
         "import torch\n"
         "from torch import nn\n"
         "from flashdraft import cpu_w8a16\n"
-        "from flashdraft.compiled import compile_options, compile_whole\n"
+        "from flashdraft.kernels.compiled import compile_options, compile_whole\n"
         "layer = nn.Linear(64, 32).to(torch.bfloat16).eval()\n"
         "step = compile_whole(lambda x: layer(x), compile_options(torch.device('cpu')), weights=layer)\n"
         "with torch.no_grad():\n"

@@ -24,8 +24,8 @@ from conftest import (
     tiny_model,
 )
 from flashdraft import Target
-from flashdraft.model import DFlashDraftModel
-from flashdraft.quantize import (
+from flashdraft.drafter.model import DFlashDraftModel
+from flashdraft.kernels.quantize import (
     W8A8_ZERO_POINT,
     QuantizeError,
     W8A8Linear,
@@ -100,7 +100,7 @@ def test_compiled_w8a8_layers_are_the_template_s_and_give_a_row_its_bits_at_any_
     are the same bits at 1 to 17 rows, and they are the layer's arithmetic."""
     from torch._dynamo.utils import counters
 
-    from flashdraft.compiled import compile_options, compile_whole
+    from flashdraft.kernels.compiled import compile_options, compile_whole
 
     torch.manual_seed(0)
     shapes = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 4000)]
@@ -150,7 +150,7 @@ def test_dflash_on_a_w8a8_target_is_plain_decoding_of_it(arch):
 @needs_template
 def test_compiled_dflash_on_a_w8a8_target_is_plain_decoding_of_it():
     """`--quantize w8a8 --compile`: one row and rows joining and leaving a batch."""
-    from flashdraft.compiled import compile_verify
+    from flashdraft.kernels.compiled import compile_verify
 
     model = tiny_model("llama", seed=2).to(torch.bfloat16)
     quantize(model, "w8a8")
@@ -167,8 +167,8 @@ def test_compiled_dflash_on_a_w8a8_target_is_plain_decoding_of_it():
 
 @needs_exact
 def test_what_w8a8_cannot_run_is_refused_or_decodes_eagerly(monkeypatch):
-    import flashdraft.quantize as quantize_module
-    from flashdraft.compiled import compile_verify
+    import flashdraft.kernels.quantize as quantize_module
+    from flashdraft.kernels.compiled import compile_verify
 
     cpu = torch.device("cpu")
     check_quantize("w8a8", None, cpu)
@@ -206,7 +206,7 @@ import json, sys, torch
 from torch import nn
 sys.path.insert(0, sys.argv[1])
 from test_w8a8 import reference
-from flashdraft.quantize import QuantizeError, W8A8Linear, _onednn_int8_product, check_quantize, w8a8_exact
+from flashdraft.kernels.quantize import QuantizeError, W8A8Linear, _onednn_int8_product, check_quantize, w8a8_exact
 
 torch.manual_seed(0)
 worst = 0.0
@@ -291,7 +291,7 @@ def test_w8a8_is_offered_exactly_where_its_layers_are_the_integer_product(cap):
 
 def test_w8a8_where_it_is_not_exact_is_refused_before_any_layer_is_made(monkeypatch):
     """The gate's refusal, faked on any machine: the CLI's check, the Python API's `quantize`, and a layer."""
-    import flashdraft.quantize as quantize_module
+    import flashdraft.kernels.quantize as quantize_module
 
     monkeypatch.setattr(quantize_module, "w8a8_exact", lambda: False)
     monkeypatch.setattr(quantize_module, "w8a8_available", lambda: True)

@@ -97,7 +97,7 @@ def zlab_decode(
 def assert_same_drafts(zlab_draft, ours: DFlashDraftModel, target, block: int) -> None:
     """The first block after each prompt: z-lab's draft pass (its forward, logits and, for DFlash2, its candidate
     selector) and flashdraft's propose the same tokens from logits equal to float tolerance."""
-    from flashdraft.proposers import DFlashProposer
+    from flashdraft.engine.proposers import DFlashProposer
 
     wrapped = Target(target)
     head = zlab._output_head(target)

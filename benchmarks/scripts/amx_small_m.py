@@ -11,7 +11,7 @@ import os
 import runpy
 import sys
 
-from flashdraft.cpu_gemm import serving_bf16_rows
+from flashdraft.kernels.gemm_templates import serving_bf16_rows
 
 with serving_bf16_rows(os.environ.get("KERNEL", "amx")):
     sys.argv = ["verify_bits.py"]

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch._inductor.codecache import CppCodeCache
 
-import flashdraft.cpu_attention as CA
+import flashdraft.kernels.attention_cpp as CA
 
 torch.set_num_threads(int(os.environ.get("T", "2")))
 

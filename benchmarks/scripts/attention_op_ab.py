@@ -1,4 +1,4 @@
-"""Does a C++ implementation of `flashdraft::short_attention` (cpu_attention.py, registered as its library loads)
+"""Does a C++ implementation of `flashdraft::short_attention` (attention_cpp.py, registered as its library loads)
 make the compiled verify faster than the Python implementation it replaced (which called the same kernel through a
 Python binding)? SmolLM2-135M's verify after 256 tokens through the engine (`static_decoder`), at 1, 4 and 8 tokens;
 the two implementations take turns in one process (the Python one registered over the C++ one for a round, then
@@ -13,11 +13,11 @@ import time
 
 import torch
 
-from flashdraft import cpu_attention
-from flashdraft.compiled import compile_verify
-from flashdraft.measure import static_decoder
-from flashdraft.model import DFlashDraftModel
-from flashdraft.target import load_target
+from flashdraft.kernels import attention_cpp as cpu_attention
+from flashdraft.kernels.compiled import compile_verify
+from flashdraft.engine.measure import static_decoder
+from flashdraft.drafter.model import DFlashDraftModel
+from flashdraft.targets.target import load_target
 
 torch.set_num_threads(2)
 dtype = sys.argv[1] if len(sys.argv) > 1 else "bfloat16"
@@ -25,7 +25,7 @@ quantize = sys.argv[2] if len(sys.argv) > 2 else None
 
 # The Python implementation as it was: the kernel's source and argument types of b480f3d's module.
 old = subprocess.run(
-    ["git", "show", "b480f3d:src/flashdraft/cpu_attention.py"], capture_output=True, text=True, check=True
+    ["git", "show", "b480f3d:src/flashdraft/kernels/attention_cpp.py"], capture_output=True, text=True, check=True
 ).stdout
 scope: dict = {"torch": torch}
 exec(old[old.index("DTYPES = ") : old.index("_kernels: dict")], scope)  # DTYPES, MASK_*, _SOURCE, _ARGTYPES

@@ -1,4 +1,4 @@
-"""The attention kernel's scores on AMX's tiles against its vector FMAs (cpu_attention.py), switched in one process
+"""The attention kernel's scores on AMX's tiles against its vector FMAs (attention_cpp.py), switched in one process
 (`cpu_attention.set_tiles`), interleaved, medians: the operator alone (SmolLM2-135M's heads: 9 over 3 KV heads of
 64, a causal bool mask, 1-16 queries over 300 and 1000 columns), then through the engine on SmolLM2-135M
 `--dtype bfloat16 --quantize w8a16 --compile`: the verify of 1-16 tokens after 256 (or the context given), the
@@ -12,12 +12,12 @@ import time
 
 import torch
 
-from flashdraft import cpu_attention
-from flashdraft.compiled import compile_verify
+from flashdraft.kernels import attention_cpp as cpu_attention
+from flashdraft.kernels.compiled import compile_verify
 from flashdraft.generate import generate_ar
-from flashdraft.measure import static_decoder
-from flashdraft.model import DFlashDraftModel
-from flashdraft.target import load_target
+from flashdraft.engine.measure import static_decoder
+from flashdraft.drafter.model import DFlashDraftModel
+from flashdraft.targets.target import load_target
 
 torch.set_num_threads(2)
 context = int(sys.argv[1]) if len(sys.argv) > 1 else 256

@@ -8,11 +8,11 @@ import time
 
 import torch
 
-from flashdraft.compiled import compile_verify
-from flashdraft.measure import interleaved_medians, static_decoder
-from flashdraft.model import DFlashDraftModel
-from flashdraft.quantize import quantize
-from flashdraft.target import load_target
+from flashdraft.kernels.compiled import compile_verify
+from flashdraft.engine.measure import interleaved_medians, static_decoder
+from flashdraft.drafter.model import DFlashDraftModel
+from flashdraft.kernels.quantize import quantize
+from flashdraft.targets.target import load_target
 
 torch.set_num_threads(2)
 target_scheme = sys.argv[1] if len(sys.argv) > 1 else "int8"

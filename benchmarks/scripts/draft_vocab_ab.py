@@ -5,12 +5,12 @@ cost model measured before timing), τ, and every output against plain decoding.
 Run: python benchmarks/scripts/draft_vocab_ab.py [bfloat16|float32] [int8]"""
 
 import sys, time, torch
-from flashdraft.compiled import compile_verify
-from flashdraft.datasets import load_bench_dataset
+from flashdraft.kernels.compiled import compile_verify
+from flashdraft.prompts.benchmarks import load_bench_dataset
 from flashdraft.generate import generate, generate_ar
-from flashdraft.measure import load_or_measure_costs
-from flashdraft.model import DFlashDraftModel
-from flashdraft.target import load_target
+from flashdraft.engine.measure import load_or_measure_costs
+from flashdraft.drafter.model import DFlashDraftModel
+from flashdraft.targets.target import load_target
 
 dtype = sys.argv[1] if len(sys.argv) > 1 else "bfloat16"
 quantize = sys.argv[2] if len(sys.argv) > 2 else None

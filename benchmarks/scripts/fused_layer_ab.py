@@ -1,4 +1,4 @@
-"""The fused decoder layer (cpu_decoder_layer.py) against inductor's graph of the model's own layers, for
+"""The fused decoder layer (decoder_layer_cpp.py) against inductor's graph of the model's own layers, for
 `--quantize w8a16 --compile`: SmolLM2-135M's verify after 256 tokens through the engine (`static_decoder`) at 1-16
 tokens, and plain decoding of 128 tokens after an 8-token prompt, the two targets in one process, interleaved,
 medians; with each target's first compile time and whether the two decode the same tokens.
@@ -11,8 +11,8 @@ import torch
 from fused_targets import fused_and_unfused  # beside this script
 
 from flashdraft.generate import generate_ar
-from flashdraft.measure import static_decoder
-from flashdraft.model import DFlashDraftModel
+from flashdraft.engine.measure import static_decoder
+from flashdraft.drafter.model import DFlashDraftModel
 
 torch.set_num_threads(2)
 lengths = (1, 2, 4, 8, 16)

@@ -1,5 +1,5 @@
 """How far the features the drafter reads lie from the fp32 model's, through the fused decoder layer
-(cpu_decoder_layer.py) and through inductor's graph of the model's own layers: SmolLM2-135M w8a16 compiled, six
+(decoder_layer_cpp.py) and through inductor's graph of the model's own layers: SmolLM2-135M w8a16 compiled, six
 GSM8K prompts and the fp32 model's greedy answers to them, each answer token verified alone after the prompt and
 the tokens before it, through the engine (`static_decoder`); against the same walk on the fp32 model (static cache,
 eager). The tapped layers' outputs' relative error, and the logits' largest difference.
@@ -8,11 +8,11 @@ benchmarks/README.md, 2026-12-06 (stop 77). Run: python benchmarks/scripts/fused
 import torch
 from fused_targets import fused_and_unfused  # beside this script
 
-from flashdraft.datasets import load_bench_dataset
+from flashdraft.prompts.benchmarks import load_bench_dataset
 from flashdraft.generate import generate_ar
-from flashdraft.measure import static_decoder
-from flashdraft.model import DFlashDraftModel
-from flashdraft.target import load_target
+from flashdraft.engine.measure import static_decoder
+from flashdraft.drafter.model import DFlashDraftModel
+from flashdraft.targets.target import load_target
 
 torch.set_num_threads(2)
 draft = DFlashDraftModel.from_pretrained("drafters/smollm2-135m-instruct").eval()

@@ -1,11 +1,11 @@
 """SmolLM2-135M `--dtype bfloat16 --quantize w8a16 --compile` twice in one process: with inductor's graph of the
-model's own layers ("unfused") and with the fused decoder layer ("fused", cpu_decoder_layer.py), for the scripts
+model's own layers ("unfused") and with the fused decoder layer ("fused", decoder_layer_cpp.py), for the scripts
 that compare them (fused_layer_ab.py, fused_layer_features.py; beside them, so they import it)."""
 
 import os
 
-from flashdraft.compiled import compile_verify
-from flashdraft.target import load_target
+from flashdraft.kernels.compiled import compile_verify
+from flashdraft.targets.target import load_target
 
 
 def fused_and_unfused() -> dict:

@@ -1,5 +1,5 @@
 """bf16 linears of SmolLM2-135M's decoder shapes (30 layers: q, gate, up, down; residual adds between) compiled and
-frozen as the verify compiles them (compiled.compile_whole, the micro-kernels of cpu_gemm.py), at 1, 4, 8 and 16
+frozen as the verify compiles them (compiled.compile_whole, the micro-kernels of gemm_templates.py), at 1, 4, 8 and 16
 rows: median ms and the ratio to one row. Options: "int8" (int8 weights, quantize.Int8Linear, bf16 rows), "w8a8"
 (int8 weights and each row quantized to int8 on the fly, an integer GEMM, `torch._int_mm`: exact, so any kernel keeps
 a row's bits; the row's bits also checked here at every row count),
@@ -13,9 +13,9 @@ import time
 import torch
 from torch import nn
 
-import flashdraft.compiled as C
-from flashdraft.cpu_gemm import register_cpu_gemm_kernels
-from flashdraft.quantize import Int8Linear
+import flashdraft.kernels.compiled as C
+from flashdraft.kernels.gemm_templates import register_cpu_gemm_kernels
+from flashdraft.kernels.quantize import Int8Linear
 
 torch.set_num_threads(2)
 int8, widening, w8a8 = "int8" in sys.argv[1:], "widening" in sys.argv[1:], "w8a8" in sys.argv[1:]

@@ -9,10 +9,10 @@ import time
 
 import torch
 
-import flashdraft.compiled as C
-from flashdraft.measure import static_decoder
-from flashdraft.model import DFlashDraftModel
-from flashdraft.target import load_target
+import flashdraft.kernels.compiled as C
+from flashdraft.engine.measure import static_decoder
+from flashdraft.drafter.model import DFlashDraftModel
+from flashdraft.targets.target import load_target
 
 torch.set_num_threads(2)
 fused_dtypes = C.int8_concat_row_dtypes

@@ -10,9 +10,9 @@ import time
 import torch
 from torch import nn
 
-import flashdraft.compiled as compiled
-from flashdraft.cpu_gemm import register_cpu_gemm_kernels
-from flashdraft.kv_cache import symbolic_sizes
+import flashdraft.kernels.compiled as compiled
+from flashdraft.kernels.gemm_templates import register_cpu_gemm_kernels
+from flashdraft.engine.kv_cache import symbolic_sizes
 
 variant = sys.argv[1]
 if variant == "int8-aten":  # as before flashdraft registered the configuration

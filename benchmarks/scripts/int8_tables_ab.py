@@ -9,9 +9,9 @@ import time
 import torch
 from torch import nn
 
-import flashdraft.compiled as C
-import flashdraft.cpu_gemm as G
-from flashdraft.quantize import Int8Linear
+import flashdraft.kernels.compiled as C
+import flashdraft.kernels.gemm_templates as G
+from flashdraft.kernels.quantize import Int8Linear
 
 torch.set_num_threads(2)
 

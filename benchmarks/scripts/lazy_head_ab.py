@@ -3,14 +3,14 @@
 HumanEval prompts, 128 tokens; tok/s (the graphs compiled before timing) and every output against ar.
 benchmarks/README.md, 2026-11-27. Run: python benchmarks/scripts/lazy_head_ab.py"""
 import json, sys, time, torch
-import flashdraft.batched_dflash as B
-from flashdraft.compiled import compile_verify
-from flashdraft.target import load_target
-from flashdraft.model import DFlashDraftModel
+import flashdraft.engine.batched_dflash as B
+from flashdraft.kernels.compiled import compile_verify
+from flashdraft.targets.target import load_target
+from flashdraft.drafter.model import DFlashDraftModel
 from flashdraft.generate import generate, generate_ar
-from flashdraft.measure import load_or_measure_costs
+from flashdraft.engine.measure import load_or_measure_costs
 import gzip
-from flashdraft.datasets import format_humaneval, BOXED_SUFFIX
+from flashdraft.prompts.benchmarks import format_humaneval, BOXED_SUFFIX
 t = load_target("smollm2-135m-instruct", dtype="bfloat16", device="cpu")
 compile_verify(t)
 d = DFlashDraftModel.from_pretrained("drafters/smollm2-135m-instruct").eval()

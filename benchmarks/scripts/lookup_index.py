@@ -8,9 +8,9 @@ Run: python benchmarks/scripts/lookup_index.py [target]"""
 import sys
 import time
 
-from flashdraft.datasets import load_bench_dataset
-from flashdraft.lookup import LookupIndex, prompt_lookup
-from flashdraft.target import load_target
+from flashdraft.prompts.benchmarks import load_bench_dataset
+from flashdraft.engine.lookup import LookupIndex, prompt_lookup
+from flashdraft.targets.target import load_target
 
 target = load_target(
     sys.argv[1] if len(sys.argv) > 1 else "smollm2-135m-instruct", dtype="float32", device="cpu"

@@ -9,10 +9,10 @@ import time
 
 import torch
 
-from flashdraft.compiled import compile_verify
-from flashdraft.measure import static_decoder
-from flashdraft.model import DFlashDraftModel
-from flashdraft.target import load_target
+from flashdraft.kernels.compiled import compile_verify
+from flashdraft.engine.measure import static_decoder
+from flashdraft.drafter.model import DFlashDraftModel
+from flashdraft.targets.target import load_target
 
 torch.set_num_threads(2)
 dtype = sys.argv[1] if len(sys.argv) > 1 else "bfloat16"

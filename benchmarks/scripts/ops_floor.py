@@ -9,11 +9,11 @@ import time
 
 import torch
 
-import flashdraft.compiled as Cm
-from flashdraft import cpu_attention, cpu_w8a16
-from flashdraft.measure import static_decoder
-from flashdraft.model import DFlashDraftModel
-from flashdraft.target import load_target
+import flashdraft.kernels.compiled as Cm
+from flashdraft.kernels import attention_cpp as cpu_attention, w8a16_cpp as cpu_w8a16
+from flashdraft.engine.measure import static_decoder
+from flashdraft.drafter.model import DFlashDraftModel
+from flashdraft.targets.target import load_target
 
 torch.set_num_threads(2)
 C = int(sys.argv[1]) if len(sys.argv) > 1 else 256

@@ -7,11 +7,11 @@ import time
 
 import torch
 
-import flashdraft.quantize as quantize
-from flashdraft.datasets import load_bench_dataset
-from flashdraft.kv_cache import batch_cache
-from flashdraft.measure import cpu_name
-from flashdraft.target import load_target
+import flashdraft.kernels.quantize as quantize
+from flashdraft.prompts.benchmarks import load_bench_dataset
+from flashdraft.engine.kv_cache import batch_cache
+from flashdraft.engine.measure import cpu_name
+from flashdraft.targets.target import load_target
 
 
 def main() -> None:

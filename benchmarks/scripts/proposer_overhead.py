@@ -10,15 +10,15 @@ import time
 
 import torch
 
-import flashdraft.batched_dflash as B
-import flashdraft.compiled as C
-import flashdraft.engine as E
-from flashdraft.compiled import compile_verify
-from flashdraft.datasets import load_bench_dataset
+import flashdraft.engine.batched_dflash as B
+import flashdraft.kernels.compiled as C
+import flashdraft.engine.decoder as E
+from flashdraft.kernels.compiled import compile_verify
+from flashdraft.prompts.benchmarks import load_bench_dataset
 from flashdraft.generate import generate_batch
-from flashdraft.measure import load_or_measure_costs
-from flashdraft.model import DFlashDraftModel
-from flashdraft.target import load_target
+from flashdraft.engine.measure import load_or_measure_costs
+from flashdraft.drafter.model import DFlashDraftModel
+from flashdraft.targets.target import load_target
 
 torch.set_num_threads(2)
 from call_timers import calls, spent, time_methods, timed  # noqa: E402 (beside this script)

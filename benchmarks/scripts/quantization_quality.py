@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from flashdraft.target import load_target
+from flashdraft.targets.target import load_target
 
 torch.set_num_threads(2)
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 40

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from conftest import hybrid_model  # noqa: E402
 from flashdraft import Target  # noqa: E402
-from flashdraft.measure import cpu_name  # noqa: E402
+from flashdraft.engine.measure import cpu_name  # noqa: E402
 
 
 def _timed(fn) -> float:

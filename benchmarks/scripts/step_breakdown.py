@@ -4,15 +4,15 @@ Timers wrap the engine's, the proposer's and the drafter's functions; the graphs
 Run: python benchmarks/scripts/step_breakdown.py [bfloat16|float32] [int8] [prompts]"""
 import collections, json, sys, time
 import torch
-import flashdraft.batched_dflash as B
-import flashdraft.engine as E
-import flashdraft.model as M
-import flashdraft.kv_cache as K
-from flashdraft.compiled import compile_verify
+import flashdraft.engine.batched_dflash as B
+import flashdraft.engine.decoder as E
+import flashdraft.drafter.model as M
+import flashdraft.engine.kv_cache as K
+from flashdraft.kernels.compiled import compile_verify
 from flashdraft.generate import generate, generate_ar
-from flashdraft.measure import load_or_measure_costs
-from flashdraft.model import DFlashDraftModel
-from flashdraft.target import load_target
+from flashdraft.engine.measure import load_or_measure_costs
+from flashdraft.drafter.model import DFlashDraftModel
+from flashdraft.targets.target import load_target
 
 torch.set_num_threads(2)
 dtype = sys.argv[1] if len(sys.argv) > 1 else "bfloat16"
@@ -31,7 +31,7 @@ E.verify_greedy_rows = timed("verify_greedy_rows", E.verify_greedy_rows)
 E.static_mask = timed("static_mask", E.static_mask)
 
 import os
-import flashdraft.compiled as C
+import flashdraft.kernels.compiled as C
 if os.environ.get("CONCAT"):  # experiment: inductor's concat-linear freezing pass on
     base = C.compile_options
     def with_concat(*a, **k):
@@ -44,7 +44,7 @@ t = load_target("smollm2-135m-instruct", dtype=dtype, device="cpu", quantize=qua
 compile_verify(t)
 d = DFlashDraftModel.from_pretrained("drafters/smollm2-135m-instruct").eval()
 if os.environ.get("COSTS"):  # a cost model measured before (JSON): the same policy prices in an A/B
-    from flashdraft.costs import CostModel
+    from flashdraft.engine.costs import CostModel
     costs = CostModel.from_dict(json.load(open(os.environ["COSTS"])))
 else:
     costs = load_or_measure_costs(t, d)
@@ -68,7 +68,7 @@ def init(self, *a, **k):
 B.BatchedDFlashProposer.__init__ = init
 C.VerifyForward.__call__ = timed("VerifyForward.__call__", C.VerifyForward.__call__)
 C.run_compiled = timed("run_compiled (all graphs)", C.run_compiled)
-import flashdraft.compiled_draft as CD
+import flashdraft.kernels.compiled_draft as CD
 CD.run_compiled = C.run_compiled  # the drafter's graphs call it by that module's name
 
 prompts = []

@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from flashdraft.measure import cpu_name
-from flashdraft.target import choose_mask_token_id, load_target
-from flashdraft.train import TrainConfig, Trainer
-from flashdraft.training_data import TrainingData
+from flashdraft.engine.measure import cpu_name
+from flashdraft.targets.target import choose_mask_token_id, load_target
+from flashdraft.training.trainer import TrainConfig, Trainer
+from flashdraft.training.dataset import TrainingData
 
 
 def measure(target, data, steps: int, **overrides) -> dict[str, float]:

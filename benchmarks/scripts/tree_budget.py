@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from flashdraft import DFlashDraftModel, generate, generate_ar, load_target
-from flashdraft.datasets import load_bench_dataset
-from flashdraft.measure import cpu_name
+from flashdraft.prompts.benchmarks import load_bench_dataset
+from flashdraft.engine.measure import cpu_name
 
 
 def main() -> None:

@@ -14,14 +14,14 @@ labelled by its tables.
 Run: [AB=1|below] python benchmarks/scripts/tree_calibration.py [bfloat16|float32] [int8|none] [prompts per set]"""
 import collections, json, os, sys, time
 import torch
-import flashdraft.batched_dflash as B
-from flashdraft.calibration import calibration_for
-from flashdraft.compiled import compile_verify
-from flashdraft.datasets import load_bench_dataset
+import flashdraft.engine.batched_dflash as B
+from flashdraft.engine.calibration import calibration_for
+from flashdraft.kernels.compiled import compile_verify
+from flashdraft.prompts.benchmarks import load_bench_dataset
 from flashdraft.generate import generate, generate_ar
-from flashdraft.measure import load_or_measure_costs
-from flashdraft.model import DFlashDraftModel
-from flashdraft.target import load_target
+from flashdraft.engine.measure import load_or_measure_costs
+from flashdraft.drafter.model import DFlashDraftModel
+from flashdraft.targets.target import load_target
 
 torch.set_num_threads(2)
 dtype = sys.argv[1] if len(sys.argv) > 1 else "bfloat16"

@@ -17,8 +17,8 @@ import argparse
 import json
 from pathlib import Path
 
-from flashdraft.costs import CostModel
-from flashdraft.kv_cache import VERIFY_BUCKETS
+from flashdraft.engine.costs import CostModel
+from flashdraft.engine.kv_cache import VERIFY_BUCKETS
 
 
 def main() -> None:

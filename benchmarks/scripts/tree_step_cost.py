@@ -22,17 +22,17 @@ from pathlib import Path
 import torch
 
 from flashdraft import DFlashDraftModel, generate, generate_ar, load_target
-from flashdraft.compiled import compile_verify
-from flashdraft.datasets import load_bench_dataset
-from flashdraft.measure import cpu_name
+from flashdraft.kernels.compiled import compile_verify
+from flashdraft.prompts.benchmarks import load_bench_dataset
+from flashdraft.engine.measure import cpu_name
 
 
 def time_parts() -> tuple[collections.Counter, collections.Counter]:
     """Wraps the functions a tree step adds to or changes; returns the timers' (seconds, calls) by name."""
-    import flashdraft.batched_dflash as B
-    import flashdraft.compiled as C
-    import flashdraft.engine as E
-    import flashdraft.tree as T
+    import flashdraft.engine.batched_dflash as B
+    import flashdraft.kernels.compiled as C
+    import flashdraft.engine.decoder as E
+    import flashdraft.engine.tree as T
 
     sys.path.insert(0, str(Path(__file__).parent))
     from call_timers import calls, spent, time_methods, timed

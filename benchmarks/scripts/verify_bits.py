@@ -3,12 +3,12 @@ for bit, those of one-token steps over the same tokens. env: HINT (the length th
 compiled at, 2 as the engine does), FILTER=1 (inductor's C++ GEMM template wherever it applies, no autotuning),
 QUANT=int8, LENGTHS. benchmarks/README.md, 2026-11-27. Run: python benchmarks/scripts/verify_bits.py"""
 import os, sys, time, torch
-import flashdraft.engine as E
-from flashdraft.compiled import compile_verify
-from flashdraft.target import load_target
-from flashdraft.model import DFlashDraftModel
-from flashdraft.measure import static_decoder, median_seconds
-from flashdraft.kv_cache import set_length
+import flashdraft.engine.decoder as E
+from flashdraft.kernels.compiled import compile_verify
+from flashdraft.targets.target import load_target
+from flashdraft.drafter.model import DFlashDraftModel
+from flashdraft.engine.measure import static_decoder, median_seconds
+from flashdraft.engine.kv_cache import set_length
 
 hint = int(os.environ.get("HINT", "2"))
 if os.environ.get("FILTER") == "1":

@@ -2,10 +2,10 @@
 or the two ranges 2-4 and 5-64 (`ranges`, the reverted d640f2b, patched in here). benchmarks/README.md, 2026-11-27.
 Run: python benchmarks/scripts/verify_lengths.py symbolic|static|ranges bfloat16 [- 1,2,4,8,16]"""
 import sys, time, torch
-import flashdraft.compiled as C
-from flashdraft.target import load_target
-from flashdraft.model import DFlashDraftModel
-from flashdraft.measure import static_decoder, median_seconds
+import flashdraft.kernels.compiled as C
+from flashdraft.targets.target import load_target
+from flashdraft.drafter.model import DFlashDraftModel
+from flashdraft.engine.measure import static_decoder, median_seconds
 mode, dtype = sys.argv[1], sys.argv[2]
 if mode == "static":  # the verify length (ids dim 1, mask dim 2) left to dynamo: specialised per length
     orig = C.symbolic_sizes

@@ -13,11 +13,11 @@ import time
 
 import torch
 
-from flashdraft import cpu_w8a16
-from flashdraft.compiled import compile_verify
-from flashdraft.measure import static_decoder
-from flashdraft.model import DFlashDraftModel
-from flashdraft.target import load_target
+from flashdraft.kernels import w8a16_cpp as cpu_w8a16
+from flashdraft.kernels.compiled import compile_verify
+from flashdraft.engine.measure import static_decoder
+from flashdraft.drafter.model import DFlashDraftModel
+from flashdraft.targets.target import load_target
 
 torch.set_num_threads(2)
 lengths = (1, 2, 3, 4, 6, 8, 16)

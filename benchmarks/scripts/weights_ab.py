@@ -18,9 +18,9 @@ import time
 import torch
 
 from flashdraft import DFlashDraftModel, load_target
-from flashdraft.datasets import load_bench_dataset
+from flashdraft.prompts.benchmarks import load_bench_dataset
 from flashdraft.generate import generate_batch
-from flashdraft.measure import cpu_name, load_or_measure_costs
+from flashdraft.engine.measure import cpu_name, load_or_measure_costs
 
 TARGETS = {
     "fp32": {"dtype": "float32"},

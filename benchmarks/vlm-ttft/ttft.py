@@ -23,7 +23,7 @@ import transformers as tf
 from PIL import Image
 
 from flashdraft import DFlashDraftModel, Target, generate, generate_ar
-from flashdraft.multimodal import ImagePrompt
+from flashdraft.targets.multimodal import ImagePrompt
 
 
 def build(layers: int):

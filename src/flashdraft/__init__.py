@@ -1,14 +1,14 @@
 """flashdraft: DFlash block-diffusion speculative decoding for any Hugging Face decoder-only model."""
 
-from .config import DFlashConfig, DFlashConfigError, build_target_layer_ids
-from .drafter_files import DFlashCheckpointError
+from .drafter.checkpoint import DFlashCheckpointError
+from .drafter.config import DFlashConfig, DFlashConfigError, build_target_layer_ids
+from .drafter.model import DFlashDraftModel, DraftContextCache
+from .engine.grammar import Constraint, GrammarError
+from .engine.proposers import DFlashProposer, NoProposer, Proposer
+from .engine.sampling import SamplingError, SamplingParams
 from .generate import GenerationError, GenerationResult, generate, generate_ar, generate_batch
-from .grammar import Constraint, GrammarError
-from .model import DFlashDraftModel, DraftContextCache
-from .multimodal import ImageError, ImagePrompt, encode_image_prompt
-from .proposers import DFlashProposer, NoProposer, Proposer
-from .sampling import SamplingError, SamplingParams
-from .target import DraftTargetMismatchError, Target, TargetError, load_target
+from .targets.multimodal import ImageError, ImagePrompt, encode_image_prompt
+from .targets.target import DraftTargetMismatchError, Target, TargetError, load_target
 
 __version__ = "0.1.0"
 

@@ -12,22 +12,22 @@ F = TypeVar("F", bound=Callable[..., Any])
 def user_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean bad input (or a missing resource): shown as one line, never as a traceback."""
     from .bench import BenchError
-    from .config import DFlashConfigError
-    from .data_layout import DataError
-    from .datasets import DatasetError
-    from .draft_vocab import DraftVocabError
-    from .drafter_files import DFlashCheckpointError
+    from .drafter.checkpoint import DFlashCheckpointError
+    from .drafter.config import DFlashConfigError
+    from .drafter.vocab import DraftVocabError
+    from .engine.grammar import GrammarError
+    from .engine.request import GenerationError
+    from .engine.sampling import SamplingError
     from .extras import MissingExtraError
-    from .grammar import GrammarError
-    from .memory_plan import PlanError
-    from .packs import PackError
-    from .prompts import PromptFormatError
-    from .quantize import QuantizeError
-    from .remote import RemoteError
-    from .request import GenerationError
-    from .sampling import SamplingError
-    from .target import TargetError
-    from .train import TrainError
+    from .kernels.quantize import QuantizeError
+    from .models.packs import PackError
+    from .prompts.benchmarks import DatasetError
+    from .prompts.files import PromptFormatError
+    from .targets.target import TargetError
+    from .training.data_layout import DataError
+    from .training.memory_plan import PlanError
+    from .training.remote import RemoteError
+    from .training.trainer import TrainError
 
     return (
         BenchError,

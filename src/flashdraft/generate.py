@@ -21,17 +21,17 @@ from typing import Any
 
 import torch
 
-from .batched_dflash import DRAFT_SAMPLING, BatchedDFlashProposer
-from .costs import CostModel
-from .engine import BatchDecoder
-from .grammar import Constraint, compile_constraint, constraint_from_response_format
-from .measure import load_or_measure_costs
-from .model import DFlashDraftModel
-from .proposers import BatchProposer, NoProposer, PerRowProposers, Proposer
-from .request import GenerationError, GenerationResult, as_target, check_block_size, check_request
-from .sampling import SamplingParams
-from .target import Target, TargetError
-from .tree import check_tree
+from .drafter.model import DFlashDraftModel
+from .engine.batched_dflash import DRAFT_SAMPLING, BatchedDFlashProposer
+from .engine.costs import CostModel
+from .engine.decoder import BatchDecoder
+from .engine.grammar import Constraint, compile_constraint, constraint_from_response_format
+from .engine.measure import load_or_measure_costs
+from .engine.proposers import BatchProposer, NoProposer, PerRowProposers, Proposer
+from .engine.request import GenerationError, GenerationResult, as_target, check_block_size, check_request
+from .engine.sampling import SamplingParams
+from .engine.tree import check_tree
+from .targets.target import Target, TargetError
 
 
 def batch_proposer(

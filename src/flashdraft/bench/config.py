@@ -15,9 +15,9 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from ..datasets import BenchDataset, load_bench_dataset
-from ..measure import cpu_name
+from ..engine.measure import cpu_name
 from ..progress import progress_bar
+from ..prompts.benchmarks import BenchDataset, load_bench_dataset
 
 METHODS: dict[str, str] = {
     "ar": "flashdraft plain decoding (same loop, no drafter)",
@@ -182,8 +182,8 @@ def validate_config(cfg: BenchConfig) -> None:
     if cfg.pld_tokens < 1:
         raise BenchError(f"--pld-tokens must be at least 1, got {cfg.pld_tokens}")
     if cfg.quantize is not None:  # refused before any load, as every command does
-        from ..quantize import check_quantize
-        from ..target import parse_device, parse_dtype
+        from ..kernels.quantize import check_quantize
+        from ..targets.target import parse_device, parse_dtype
 
         check_quantize(cfg.quantize, parse_dtype(cfg.dtype), parse_device(cfg.device))
 

@@ -11,10 +11,7 @@ from typing import Any
 
 import torch
 
-from ..datasets import BenchDataset
-from ..multimodal import ImagePrompt, encode_image_prompt
-from ..progress import busy_machine_warning
-from ..tool_calls import (
+from ..engine.tool_calls import (
     ToolChoice,
     ToolError,
     encode_tool_prompt,
@@ -22,6 +19,9 @@ from ..tool_calls import (
     parse_tools,
     tool_constraint,
 )
+from ..progress import busy_machine_warning
+from ..prompts.benchmarks import BenchDataset
+from ..targets.multimodal import ImagePrompt, encode_image_prompt
 from .config import (
     DFLASH_METHODS,
     LLAMACPP_METHODS,
@@ -91,9 +91,9 @@ class LocalMethods:
 
     def __init__(self, cfg: BenchConfig, out_dir: Path | None = None, images: bool = False) -> None:
         """`images`: a dataset has image records (an image-text target is loaded whole, multimodal.py)."""
-        from ..compiled import compile_verify
-        from ..model import DFlashDraftModel
-        from ..target import load_target
+        from ..drafter.model import DFlashDraftModel
+        from ..kernels.compiled import compile_verify
+        from ..targets.target import load_target
 
         self.cfg = cfg
         self.target = load_target(
@@ -130,7 +130,7 @@ class LocalMethods:
                     f"--block-size {cfg.block_size} exceeds the drafter's block size {self.block_size}"
                 )
             if self.verify == "auto" and {"dflash", "dflash-pq", "dflash-tree"} & set(cfg.methods):
-                from ..measure import load_or_measure_costs
+                from ..engine.measure import load_or_measure_costs
 
                 self.cost_model = load_or_measure_costs(
                     self.target, self.draft, log=lambda m: console.print(m, soft_wrap=True)
@@ -163,7 +163,7 @@ class LocalMethods:
     def drafter_info(self) -> dict[str, Any] | None:
         if self.draft is None:
             return None
-        from ..draft_vocab import drafter_vocabulary
+        from ..drafter.vocab import drafter_vocabulary
 
         c = self.draft.config
         vocab = drafter_vocabulary(self.draft, self.target, self.target.vocab_size)

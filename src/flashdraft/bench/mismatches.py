@@ -31,7 +31,7 @@ UNEXPLAINED = "unexplained"
 
 def _prompt(target: Any, prompt: Any) -> tuple[torch.Tensor, dict[str, Any]]:
     """A prompt's token ids [1, n] and its image inputs ({} for text)."""
-    from ..multimodal import as_prompt
+    from ..targets.multimodal import as_prompt
 
     ids, inputs = as_prompt(prompt)
     return ids[:1].cpu(), dict(inputs or {})
@@ -43,7 +43,7 @@ def plain_logits_at(
 ) -> dict[int, torch.Tensor]:
     """The logits plain decoding chose `reference_ids[i]` from, for each i in `positions`: one replay of `ar`
     (the prompt prefilled, with its images if it has any, then one token a step) as far as the last of them."""
-    from ..multimodal import check_prompt_inputs
+    from ..targets.multimodal import check_prompt_inputs
 
     wanted, last, out = set(positions), max(positions), {}
     device = target.device
@@ -72,7 +72,7 @@ def batched_logits(
 ) -> torch.Tensor:
     """The logits after `prefix` as a verify computes them: all but its last `block` tokens in one forward (with
     the prompt's image `inputs`, which cover its first `prompt_length` tokens), then those in one more."""
-    from ..multimodal import covering
+    from ..targets.multimodal import covering
 
     n = prefix.shape[1]
     k = min(block, n - max(1, prompt_length))

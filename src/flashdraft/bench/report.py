@@ -164,7 +164,7 @@ def _cost_model_lines(settings: dict[str, Any]) -> list[str]:
     """What method dflash's cost-aware policy worked from (measured on this machine before the run)."""
     if not settings.get("cost_model"):
         return [f"- dflash verify length: fixed, {settings.get('verify')}"] if settings.get("verify") else []
-    from ..costs import CostModel
+    from ..engine.costs import CostModel
 
     return ["- dflash verify length: auto; " + CostModel.from_dict(settings["cost_model"]).summary()]
 

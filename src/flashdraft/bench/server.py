@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ..datasets import BenchDataset
+from ..prompts.benchmarks import BenchDataset
 from .config import (
     BenchError,
     ServerBenchConfig,

@@ -38,7 +38,7 @@ def _redacted_command(argv: Sequence[str]) -> str:
 
 
 def _is_untrained(draft: str) -> bool:
-    from ..drafter_files import read_model_card_meta
+    from ..drafter.checkpoint import read_model_card_meta
 
     return read_model_card_meta(draft).get("trained") is False
 

@@ -53,7 +53,7 @@ DraftVocabOption = Annotated[
 
 def parse_draft_vocab(text: str) -> int | None:
     """`--draft-vocab`: N tokens, 0 for all, None for auto."""
-    from ..draft_vocab import DraftVocabError
+    from ..drafter.vocab import DraftVocabError
 
     word = text.strip().lower()
     if word == "auto":
@@ -67,8 +67,8 @@ def parse_draft_vocab(text: str) -> int | None:
 
 def parse_tree(text: str) -> int | None:
     """`--tree`: its node budget (None: chains), checked by the engine's own `check_tree`."""
-    from ..request import GenerationError
-    from ..tree import check_tree
+    from ..engine.request import GenerationError
+    from ..engine.tree import check_tree
 
     try:
         return check_tree(text)
@@ -78,7 +78,7 @@ def parse_tree(text: str) -> int | None:
 
 def tree_note(target: Any, nodes: int | None) -> str | None:
     """One line for --verbose when --tree is asked of a target that verifies chains only (not an error)."""
-    from ..tree import tree_refusal
+    from ..engine.tree import tree_refusal
 
     reason = None if nodes is None else tree_refusal(target)
     return None if reason is None else f"--tree: {target.name} has {reason}; verifying chains"
@@ -86,7 +86,7 @@ def tree_note(target: Any, nodes: int | None) -> str | None:
 
 def compile_or_note(target: Any) -> None:
     """`--compile` on a loaded target: its verify compiled, or one line saying why it decodes eagerly."""
-    from ..compiled import compile_verify
+    from ..kernels.compiled import compile_verify
 
     note = compile_verify(target)
     if note:
@@ -96,7 +96,7 @@ def compile_or_note(target: Any) -> None:
 def parse_block_size(text: str, drafter_block_size: int | None) -> int | str:
     """`--block-size`: "auto" (the cost-aware default) or a fixed verify length within the drafter's block, checked
     by the engine's own `check_block_size` (one name and one check from the command line to the engine)."""
-    from ..request import GenerationError, check_block_size
+    from ..engine.request import GenerationError, check_block_size
 
     try:
         verify = check_block_size(text, drafter_block_size)

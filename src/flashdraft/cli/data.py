@@ -9,11 +9,11 @@ from pathlib import Path
 
 import typer
 
-from ..data import DataError, load_prompts, regenerate
-from ..data_layout import MANIFEST
 from ..files import atomic_write_text
-from ..target import DTYPES
-from ..training_data import compute_features
+from ..targets.target import DTYPES
+from ..training.data_layout import MANIFEST
+from ..training.dataset import compute_features
+from ..training.regenerate import DataError, load_prompts, regenerate
 
 
 def _make_app():
@@ -31,8 +31,8 @@ def _make_app():
         raise typer.Exit(1)
 
     def load(name: str, dtype: str | None = None, images: bool = False):
-        from ..packs import PackError
-        from ..target import TargetError, load_target
+        from ..models.packs import PackError
+        from ..targets.target import TargetError, load_target
 
         try:  # images: an image-text checkpoint whole (a Qwen3.5 composite would load its language model alone)
             return load_target(name, dtype=dtype, images=images or None)
@@ -112,7 +112,7 @@ def _make_app():
             raise typer.BadParameter("must be > 0", param_hint="--top-p")
         if target_dtype is not None and target_dtype not in DTYPES:
             raise typer.BadParameter(f"must be one of {', '.join(DTYPES)}", param_hint="--target-dtype")
-        from ..remote import RemoteError
+        from ..training.remote import RemoteError
 
         if backend not in ("local", "openai"):
             raise typer.BadParameter("must be local or openai", param_hint="--backend")
@@ -124,8 +124,8 @@ def _make_app():
             fail(str(e))
         answerer = None
         if backend == "openai":
-            from ..packs import PackError
-            from ..remote import OpenAIAnswerer, RemoteTarget
+            from ..models.packs import PackError
+            from ..training.remote import OpenAIAnswerer, RemoteTarget
 
             try:
                 tgt = RemoteTarget(target)
@@ -201,7 +201,7 @@ def _make_app():
             if not layer_ids:
                 raise typer.BadParameter("no layer ids given", param_hint="--layers")
         else:
-            from ..config import DFlashConfig, DFlashConfigError
+            from ..drafter.config import DFlashConfig, DFlashConfigError
 
             try:
                 layer_ids = list(DFlashConfig.from_pretrained(draft).target_layer_ids)
@@ -209,7 +209,7 @@ def _make_app():
                 raise typer.BadParameter(str(e), param_hint="--draft") from None
         if not (data / MANIFEST).exists():
             raise typer.BadParameter(f"{data} is not a data directory (no {MANIFEST})", param_hint="--data")
-        from ..training_data import TrainingData
+        from ..training.dataset import TrainingData
 
         try:
             images = TrainingData(data, features=False).has_images
@@ -236,7 +236,7 @@ def _make_app():
     ) -> None:
         """Pack a data directory into one compressed .npz file (token ids, loss masks and the manifest) that
         `flashdraft train --data` reads on any machine."""
-        from ..training_data import pack_data
+        from ..training.dataset import pack_data
 
         try:
             info = pack_data(data_dir, out)
@@ -254,7 +254,7 @@ def _make_app():
     ) -> None:
         """Code-writing prompts from the Python standard library's documented functions (PSF licence): input
         for `regenerate` that shares nothing with HumanEval or MBPP."""
-        from ..codeprompts import stdlib_code_prompts
+        from ..prompts.code import stdlib_code_prompts
 
         records = stdlib_code_prompts(limit=limit, seed=seed)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -281,9 +281,9 @@ def _make_app():
         text of the same kind."""
         import torch
 
-        from ..draft_vocab import count_tokens, save_token_counts
-        from ..drafter_files import DFlashCheckpointError, load_drafter_config
-        from ..training_data import TrainingData
+        from ..drafter.checkpoint import DFlashCheckpointError, load_drafter_config
+        from ..drafter.vocab import count_tokens, save_token_counts
+        from ..training.dataset import TrainingData
 
         if not data and not text:
             fail("give --data (regenerated answers) or --text (text files) to count")
@@ -317,14 +317,14 @@ def _make_app():
 def _tokenizer(target: str):
     from transformers import AutoTokenizer
 
-    from ..packs import resolve_model
+    from ..models.packs import resolve_model
 
     return AutoTokenizer.from_pretrained(resolve_model(target))
 
 
 def _strings(path: Path):
     """Every string value of every record of a .jsonl[.gz] file (lists and nested objects included)."""
-    from ..prompts import read_jsonl
+    from ..prompts.files import read_jsonl
 
     for record in read_jsonl(path):
         stack = [record]

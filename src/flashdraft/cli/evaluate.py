@@ -35,20 +35,20 @@ def eval_command(
     """τ (tokens per target forward) at T=0 and a fixed verify length on held-out benchmark prompts."""
     import torch
 
-    from ..datasets import DatasetError, load_bench_dataset
-    from ..drafter_files import load_drafter_config
-    from ..export import evaluate_tau
+    from ..drafter.checkpoint import load_drafter_config
+    from ..drafter.model import DFlashDraftModel
     from ..generate import GenerationError
-    from ..model import DFlashDraftModel
-    from ..packs import resolve_model
-    from ..quantize import check_quantize
-    from ..target import (
+    from ..kernels.quantize import check_quantize
+    from ..models.packs import resolve_model
+    from ..prompts.benchmarks import DatasetError, load_bench_dataset
+    from ..targets.target import (
         check_decodable_config,
         check_drafter_fits_config,
         load_target,
         parse_device,
         parse_dtype,
     )
+    from ..training.export import evaluate_tau
 
     names = [n.strip() for n in datasets.split(",") if n.strip()]
     if not names:

@@ -55,7 +55,7 @@ def constraint_from_options(
     grammar: Path | None,
 ) -> Any:
     """The structured-output constraint the options ask for (at most one), read before any weights load."""
-    from ..grammar import Constraint, GrammarError
+    from ..engine.grammar import Constraint, GrammarError
 
     given = [
         name
@@ -143,17 +143,17 @@ def generate_command(
     """Generate an answer with DFlash speculative decoding (lossless), streaming the text."""
     import torch
 
-    from ..compiled import compile_options
-    from ..drafter_files import load_drafter_config
+    from ..drafter.checkpoint import load_drafter_config
+    from ..drafter.model import DFlashDraftModel
+    from ..engine.sampling import SamplingParams
     from ..generate import GenerationError, generate, generate_ar
-    from ..model import DFlashDraftModel
-    from ..model_parts import image_text_class
-    from ..multimodal import ImageError, encode_image_prompt, load_image
-    from ..packs import resolve_model
+    from ..kernels.compiled import compile_options
+    from ..kernels.quantize import check_quantize
+    from ..models.packs import resolve_model
     from ..progress import busy_machine_warning, quiet_libraries
-    from ..quantize import check_quantize
-    from ..sampling import SamplingParams
-    from ..target import (
+    from ..targets.model_parts import image_text_class
+    from ..targets.multimodal import ImageError, encode_image_prompt, load_image
+    from ..targets.target import (
         TargetError,
         check_decodable_config,
         check_drafter_fits_config,
@@ -240,7 +240,7 @@ def generate_command(
     spec = dict(block_size=verify, tree=nodes)
     costs = None
     if verify == "auto":
-        from ..measure import load_or_measure_costs
+        from ..engine.measure import load_or_measure_costs
 
         costs = load_or_measure_costs(tgt, drafter, log=lambda m: console.print(m, soft_wrap=True))
         if verbose:

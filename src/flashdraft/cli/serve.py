@@ -64,12 +64,12 @@ def serve_command(
     from ..extras import require_extra
 
     require_extra("serve", "fastapi", "uvicorn", "prometheus_client")
-    from ..drafter_files import load_drafter_config
+    from ..drafter.checkpoint import load_drafter_config
+    from ..drafter.model import DFlashDraftModel
     from ..generate import GenerationError
-    from ..model import DFlashDraftModel
-    from ..quantize import check_quantize
+    from ..kernels.quantize import check_quantize
     from ..serve import Engine, build_app, run_server
-    from ..target import check_drafter_fits_config, load_target, parse_device, parse_dtype
+    from ..targets.target import check_drafter_fits_config, load_target, parse_device, parse_dtype
 
     dev, torch_dtype = parse_device(device), parse_dtype(dtype)
     check_quantize(quantize, torch_dtype, dev)
@@ -99,7 +99,7 @@ def serve_command(
         torch.set_num_threads(threads)
     costs = None
     if drafter is not None and verify == "auto":
-        from ..measure import load_or_measure_costs
+        from ..engine.measure import load_or_measure_costs
 
         costs = load_or_measure_costs(tgt, drafter, log=lambda m: console.print(m, soft_wrap=True))
     engine = Engine(

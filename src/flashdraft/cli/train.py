@@ -10,11 +10,17 @@ import torch
 import torch.distributed as dist
 import typer
 
-from ..distributed import end_distributed, init_distributed
+from ..drafter.model import DFlashDraftModel
 from ..errors import one_line_errors
-from ..export import data_summary, evaluate_tau, export_drafter, machine_description, write_model_card
-from ..model import DFlashDraftModel
-from ..train import TrainConfig, Trainer
+from ..training.distributed import end_distributed, init_distributed
+from ..training.export import (
+    data_summary,
+    evaluate_tau,
+    export_drafter,
+    machine_description,
+    write_model_card,
+)
+from ..training.trainer import TrainConfig, Trainer
 from .common import out
 
 # ---------------------------------------------------------------------------------------------- init-draft
@@ -61,9 +67,9 @@ def init_draft(
     """Write a fresh, untrained drafter sized for a target (z-lab checkpoint format)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from ..config import choose_mask_token_id
-    from ..model import DFlashDraftModel
-    from ..packs import resolve_model
+    from ..drafter.config import choose_mask_token_id
+    from ..drafter.model import DFlashDraftModel
+    from ..models.packs import resolve_model
 
     path = resolve_model(target)
     target_config = AutoConfig.from_pretrained(path)
@@ -239,9 +245,11 @@ def _memory_plan(
     """The memory plan of this run from the configs alone; refuses (one line) a run that will not fit."""
     from transformers import AutoConfig
 
-    from ..config import DFlashConfig
-    from ..drafter_files import load_drafter_config
-    from ..memory_plan import (
+    from ..drafter.checkpoint import load_drafter_config
+    from ..drafter.config import DFlashConfig
+    from ..models.packs import resolve_model
+    from ..targets.target import TargetError, default_device, parse_dtype
+    from ..training.memory_plan import (
         PlanError,
         device_capacity,
         fewest_ranks,
@@ -249,8 +257,6 @@ def _memory_plan(
         plan_training,
         target_shape,
     )
-    from ..packs import resolve_model
-    from ..target import TargetError, default_device, parse_dtype
 
     path = resolve_model(target)
     try:
@@ -331,10 +337,10 @@ def train_command(
     """Train a DFlash drafter on regenerated data (`flashdraft data regenerate`), then evaluate τ and export."""
     from torch.utils.data import ConcatDataset
 
-    from ..config import choose_mask_token_id
-    from ..model import _DTYPES
-    from ..target import load_target
-    from ..training_data import TrainingData
+    from ..drafter.config import choose_mask_token_id
+    from ..drafter.model import _DTYPES
+    from ..targets.target import load_target
+    from ..training.dataset import TrainingData
 
     if target_dtype is not None and target_dtype not in _DTYPES:
         raise ValueError(f"--target-dtype must be one of {', '.join(_DTYPES)}, not {target_dtype!r}")
@@ -357,7 +363,7 @@ def train_command(
     if rank == 0:
         print("\n".join(planned.lines()))
     if shard_target:
-        from ..sharding import load_sharded_target
+        from ..training.sharding import load_sharded_target
 
         tgt = load_sharded_target(target, dtype=target_dtype, device=dist_device or device)
     else:
@@ -374,7 +380,7 @@ def train_command(
         mask_token_id = choose_mask_token_id(tgt.tokenizer, tgt.vocab_size)
     layer_ids = [int(x) for x in target_layer_ids.split(",")] if target_layer_ids else None
     if block_size is None and init_from is not None:  # the starting drafter's own block
-        from ..drafter_files import load_drafter_config
+        from ..drafter.checkpoint import load_drafter_config
 
         block_size = load_drafter_config(init_from).block_size
     block_size = default_block_size(arch, block_size)
@@ -446,7 +452,7 @@ def train_command(
         "wall_time_s": trainer.wall_s,
     }
     if init_from is not None:
-        from ..drafter_files import read_model_card_meta
+        from ..drafter.checkpoint import read_model_card_meta
 
         prev = read_model_card_meta(init_from)
         meta["init_from"] = {
@@ -456,7 +462,7 @@ def train_command(
                 for k in ("steps", "global_batch", "data_summary", "wall_time_s", "hardware", "init_from")
             },
         }
-    if parts:  # the answers it was trained on: what its draft vocabulary is drawn from (draft_vocab.py)
+    if parts:  # the answers it was trained on: what its draft vocabulary is drawn from (vocab.py)
         drafter.token_counts = sum(p.answer_token_counts(tgt.vocab_size) for p in parts)
         drafter.token_counts_source = "answer tokens of " + ", ".join(str(d) for d in data)
     export_drafter(drafter, out, meta, _DTYPES[export_dtype])

@@ -21,10 +21,8 @@ from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from ..extras import MissingExtraError
-from ..grammar import Constraint, GrammarError, compile_constraint
-from ..multimodal import ImageError, ImagePrompt, encode_image_prompt, load_image
-from ..tool_calls import (
+from ..engine.grammar import Constraint, GrammarError, compile_constraint
+from ..engine.tool_calls import (
     ToolCallParser,
     ToolError,
     encode_tool_prompt,
@@ -32,6 +30,8 @@ from ..tool_calls import (
     parse_tools,
     tool_constraint,
 )
+from ..extras import MissingExtraError
+from ..targets.multimodal import ImageError, ImagePrompt, encode_image_prompt, load_image
 from .engine import Engine, EngineRequest, QueueFullError, RequestHandle
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest

@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
-from ..engine import BatchDecoder, BatchRow
+from ..engine.decoder import BatchDecoder, BatchRow
+from ..engine.grammar import Constraint
+from ..engine.request import GenerationResult
+from ..engine.sampling import SamplingParams
 from ..generate import batch_proposer
-from ..grammar import Constraint
-from ..multimodal import ImagePrompt
-from ..request import GenerationResult
-from ..sampling import SamplingParams
+from ..targets.multimodal import ImagePrompt
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..grammar import Constraint, GrammarError, constraint_from_response_format
-from ..tool_calls import ToolChoice, ToolError, parse_tool_choice, parse_tools
+from ..engine.grammar import Constraint, GrammarError, constraint_from_response_format
+from ..engine.tool_calls import ToolChoice, ToolError, parse_tool_choice, parse_tools
 
 
 class APIError(Exception):
