@@ -88,7 +88,7 @@ def sharded_rank(family: str, out_file: str) -> None:
     import torch.distributed as dist
 
     from flashdraft.training.sharding import load_sharded_target
-    from flashdraft.training.trainer import end_distributed
+    from flashdraft.training.distributed import end_distributed
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

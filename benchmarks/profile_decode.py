@@ -22,7 +22,7 @@ import time
 import torch
 
 from flashdraft import DFlashDraftModel, DFlashProposer, Target, generate, load_target
-from flashdraft.kernels.compiled import VerifyForward, compile_verify
+from flashdraft.engine.compiled import VerifyForward, compile_verify
 from flashdraft.engine.measure import median_seconds, static_decoder
 
 

@@ -282,7 +282,7 @@ def byte_tokenizer(corpus: list[str], vocab: int, chat_template: str | None = No
 def first_rows_symbolic(step, inputs: list[torch.Tensor], rows: int):
     """`step` on the first `rows` rows of each input, the row count marked symbolic as the engine compiles a verify
     (a compiled graph of any row count from the second call on)."""
-    from flashdraft.engine.kv_cache import symbolic_sizes
+    from flashdraft.kernels.static_buffers import symbolic_sizes
 
     cut = [t[:rows].clone() for t in inputs]
     for t in cut:

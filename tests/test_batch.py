@@ -12,8 +12,8 @@ from flashdraft import DFlashDraftModel, GenerationError, Target, generate, gene
 from flashdraft.engine.batched_dflash import BatchedDFlashProposer
 from flashdraft.engine.decoder import BatchDecoder, BatchRow
 from flashdraft.engine.proposers import DFlashProposer, PerRowProposers
-from flashdraft.engine.sampling import SamplingParams
 from flashdraft.generate import generate_batch
+from flashdraft.sampling import SamplingParams
 
 
 def random_prompts(n: int, seed: int, vocab: int = VOCAB) -> list[list[int]]:

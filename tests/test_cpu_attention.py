@@ -6,8 +6,7 @@ where its columns sit among hidden ones (a draft tree's node against its path al
 import pytest
 import torch
 
-from flashdraft.kernels import attention
-from flashdraft.kernels import attention_cpp as cpu_attention
+from flashdraft.kernels import attention, attention_cpp
 
 DTYPES = [torch.bfloat16, torch.float32]
 WIDTHS = [(64, 64), (128, 128), (80, 48)]  # (head, value head): the two register paths, the general one
@@ -16,17 +15,17 @@ WIDTHS = [(64, 64), (128, 128), (80, 48)]  # (head, value head): the two registe
 @pytest.fixture(scope="module", autouse=True)
 def built():
     for dtype in DTYPES:
-        assert cpu_attention.prepare(dtype), f"the kernel for {dtype} did not build"
+        assert attention_cpp.prepare(dtype), f"the kernel for {dtype} did not build"
 
 
 @pytest.fixture(params=["vectors", "tiles"])
 def scores(request):
     """The scores' two ways (both on a CPU with AMX; elsewhere the vectors'): vector FMAs, or AMX's tiles. The
     process's default is restored after the test."""
-    if not cpu_attention.set_tiles(request.param == "tiles") and request.param == "tiles":
+    if not attention_cpp.set_tiles(request.param == "tiles") and request.param == "tiles":
         pytest.skip("no AMX tiles on this CPU")
     yield request.param
-    cpu_attention.set_tiles(cpu_attention.tiles_wanted())
+    attention_cpp.set_tiles(attention_cpp.tiles_wanted())
 
 
 def reference(q, k, v, mask, scale):
@@ -68,7 +67,7 @@ def test_the_kernel_gives_attention_s_values(dtype, d, dv, form, scores):
     sees = torch.rand(2, 1, 5, 203, generator=torch.Generator().manual_seed(1)) > 0.3
     sees[..., 7] = True
     mask = {"bool": sees, "added": added(sees, dtype), "none": None}[form]
-    got = cpu_attention.short_attention(q, k, v, mask, 0.125)
+    got = attention_cpp.short_attention(q, k, v, mask, 0.125)
     tol = 2e-2 if dtype == torch.bfloat16 else 2e-6
     torch.testing.assert_close(got.float(), reference(q, k, v, mask, 0.125), rtol=tol, atol=tol)
 
@@ -81,8 +80,8 @@ def test_keys_and_values_are_read_in_place_from_wider_columns(d, dv, scores):
     g = torch.Generator().manual_seed(6)
     k = torch.randn(1, 2, 61, d + 48, generator=g).bfloat16()[..., 16 : 16 + d]
     v = torch.randn(1, 2, 61, dv + 32, generator=g).bfloat16()[..., :dv]
-    got = cpu_attention.short_attention(q, k, v, None, 0.125)
-    assert torch.equal(got, cpu_attention.short_attention(q, k.contiguous(), v.contiguous(), None, 0.125))
+    got = attention_cpp.short_attention(q, k, v, None, 0.125)
+    assert torch.equal(got, attention_cpp.short_attention(q, k.contiguous(), v.contiguous(), None, 0.125))
     torch.testing.assert_close(got.float(), reference(q, k, v, None, 0.125), rtol=2e-2, atol=2e-2)
 
 
@@ -97,9 +96,9 @@ def test_a_row_keeps_its_bits_at_any_width_with_any_rows_beside_it(d, dv, scores
     sees = torch.zeros(1, 1, 16, 384, dtype=torch.bool)
     for i in range(16):
         sees[0, 0, i, : cached + i + 1] = True
-    together = cpu_attention.short_attention(q, k, v, added(sees, dtype), 0.125)
+    together = attention_cpp.short_attention(q, k, v, added(sees, dtype), 0.125)
     other_q, other_k, other_v = qkv(1, 9, 3, 16, 512, d, dv, dtype, seed=3)
-    batch = cpu_attention.short_attention(
+    batch = attention_cpp.short_attention(
         torch.cat([other_q, q]),
         torch.cat([other_k, k]),
         torch.cat([other_v, v]),
@@ -108,7 +107,7 @@ def test_a_row_keeps_its_bits_at_any_width_with_any_rows_beside_it(d, dv, scores
     )
     for i in range(16):
         width = -(-(cached + i + 1) // 64) * 64
-        alone = cpu_attention.short_attention(
+        alone = attention_cpp.short_attention(
             q[:, :, i : i + 1], k, v, added(sees[..., i : i + 1, :width], dtype), 0.125
         )
         assert torch.equal(alone[0, 0], together[0, i]), f"query {i}"
@@ -132,10 +131,10 @@ def test_a_tree_node_gets_the_bits_of_its_path_alone(scores):
             path.append(parents[path[-1]])
         paths.append(path[::-1])
         sees[0, 0, node, [cached + p for p in path]] = True
-    tree = cpu_attention.short_attention(q, k, v, added(sees, dtype), 0.125)
+    tree = attention_cpp.short_attention(q, k, v, added(sees, dtype), 0.125)
     for node, path in enumerate(paths):
         columns = list(range(cached)) + [cached + p for p in path]
-        alone = cpu_attention.short_attention(
+        alone = attention_cpp.short_attention(
             q[:, :, node : node + 1], k[:, :, columns], v[:, :, columns], None, 0.125
         )
         assert torch.equal(alone[0, 0], tree[0, node]), f"node {node} (path {path})"
@@ -145,8 +144,8 @@ def test_short_query_attention_runs_the_kernel_where_it_is_built(monkeypatch):
     """attention.py sends bf16 short queries to the kernel once it is built for bf16 (fp32 keeps SDPA's kernel or
     the two products), with the mask cut to the keys; prefill-length queries go to SDPA."""
     calls = []
-    real = cpu_attention.short_attention
-    monkeypatch.setattr(cpu_attention, "short_attention", lambda *a: calls.append(a[0].dtype) or real(*a))
+    real = attention_cpp.short_attention
+    monkeypatch.setattr(attention_cpp, "short_attention", lambda *a: calls.append(a[0].dtype) or real(*a))
 
     class Module(torch.nn.Module):
         is_causal = True
@@ -178,12 +177,12 @@ def test_the_operator_s_cpu_kernel_is_the_library_s_own_and_names_bad_input():
     assert len(cpu) == 1 and ".cpp:" in cpu[0], dump
     q, k, v = qkv(1, 4, 2, 2, 16, 64, 64, torch.bfloat16)
     with pytest.raises(RuntimeError, match="must share a dtype"):
-        cpu_attention.short_attention(q.float(), k, v, None, 0.125)
+        attention_cpp.short_attention(q.float(), k, v, None, 0.125)
     with pytest.raises(RuntimeError, match="wider than the keys"):
-        cpu_attention.short_attention(q, k, v, torch.ones(1, 1, 2, 17, dtype=torch.bool), 0.125)
+        attention_cpp.short_attention(q, k, v, torch.ones(1, 1, 2, 17, dtype=torch.bool), 0.125)
     with pytest.raises(RuntimeError, match="do not fit"):
-        cpu_attention.short_attention(q, k[:, :, :, :32], v, None, 0.125)
+        attention_cpp.short_attention(q, k[:, :, :, :32], v, None, 0.125)
     with pytest.raises(RuntimeError, match="value's rows or heads"):
-        cpu_attention.short_attention(q, k, v[:, :1], None, 0.125)
+        attention_cpp.short_attention(q, k, v[:, :1], None, 0.125)
     with pytest.raises(RuntimeError, match="mask's rows, heads or queries"):
-        cpu_attention.short_attention(q, k, v, torch.ones(1, 1, 3, 16, dtype=torch.bool), 0.125)
+        attention_cpp.short_attention(q, k, v, torch.ones(1, 1, 3, 16, dtype=torch.bool), 0.125)

@@ -17,13 +17,12 @@ from conftest import (
 from flashdraft import Target, generate, generate_ar, generate_batch
 from flashdraft.bench.mismatches import plain_logits_at
 from flashdraft.engine.costs import CostModel
-from flashdraft.kernels import attention
-from flashdraft.kernels import decoder_layer_cpp as cpu_decoder_layer
+from flashdraft.kernels import attention, decoder_layer_cpp
 from flashdraft.kernels.quantize import quantize
 from test_w8a16 import drafter
 
 pytestmark = pytest.mark.skipif(
-    not cpu_decoder_layer.prepare(), reason="the fused layer needs the w8a16 kernel (avx512_vnni)"
+    not decoder_layer_cpp.prepare(), reason="the fused layer needs the w8a16 kernel (avx512_vnni)"
 )
 
 
@@ -44,7 +43,7 @@ def w8a16_target(arch: str, fused: bool, **overrides) -> Target:
     if fused:  # the static cache and the short-query attention, as `--compile` sets them, eager
         target.static_cache = True
         attention.use(model, torch.bfloat16)
-        assert cpu_decoder_layer.fuse(model) == model.config.num_hidden_layers
+        assert decoder_layer_cpp.fuse(model) == model.config.num_hidden_layers
     return target
 
 
@@ -101,7 +100,7 @@ def test_fused_layers_decode_what_the_model_s_layers_decode_and_dflash_is_plain_
 def test_compiled_fused_layers_are_one_call_each_and_dflash_is_plain_decoding():
     """`--quantize w8a16 --compile` fuses the layers (qwen3: its q / k norms too): the graph calls the operator once
     per layer, and DFlash is plain decoding on one row and in batches."""
-    from flashdraft.kernels.compiled import compile_verify
+    from flashdraft.engine.compiled import compile_verify
 
     model = tiny_model("qwen3", seed=2).to(torch.bfloat16)
     quantize(model, "w8a16")
@@ -126,7 +125,7 @@ def test_the_joined_weights_are_the_layers_own_memory():
     x = torch.randn(3, model.config.hidden_size, dtype=torch.bfloat16)
     linears = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp.up_proj]
     before = [m(x) for m in linears]
-    cpu_decoder_layer.fuse(model)
+    decoder_layer_cpp.fuse(model)
     joined = layer.fused_qkv_packed.untyped_storage().data_ptr()
     for m in linears[:3]:
         assert m.packed.untyped_storage().data_ptr() == joined
@@ -143,16 +142,16 @@ def test_layers_the_operator_cannot_run_keep_their_own_forward():
     decoding."""
     model = tiny_model("llama", seed=2, hidden_act="gelu").to(torch.bfloat16)
     quantize(model, "w8a16")
-    assert cpu_decoder_layer.refusal(model.model.layers[0]) == "the activation GELUActivation"
-    assert cpu_decoder_layer.fuse(model) == 0
+    assert decoder_layer_cpp.refusal(model.model.layers[0]) == "the activation GELUActivation"
+    assert decoder_layer_cpp.fuse(model) == 0
     gemma = tiny_model("gemma3", seed=2).to(torch.bfloat16)
     quantize(gemma, "w8a16")
-    assert cpu_decoder_layer.refusal(gemma.model.layers[0]) == "a Gemma3DecoderLayer"
+    assert decoder_layer_cpp.refusal(gemma.model.layers[0]) == "a Gemma3DecoderLayer"
     qwen3 = tiny_model("qwen3", seed=2).to(torch.bfloat16)
     quantize(qwen3, "w8a16")
-    assert cpu_decoder_layer.refusal(qwen3.model.layers[0]) is None
+    assert decoder_layer_cpp.refusal(qwen3.model.layers[0]) is None
     qwen3.model.layers[0].self_attn.k_norm.float()
-    assert cpu_decoder_layer.refusal(qwen3.model.layers[0]) == "norms without bf16 weights"
+    assert decoder_layer_cpp.refusal(qwen3.model.layers[0]) == "norms without bf16 weights"
     target = Target(model)
     target.static_cache = True
     attention.use(model, torch.bfloat16)

@@ -10,7 +10,7 @@ import torch
 
 from flashdraft import DFlashDraftModel, SamplingParams, Target, generate, generate_ar, generate_batch
 from flashdraft.engine.costs import CostModel
-from flashdraft.engine.sampling import verify_block_pq
+from flashdraft.sampling import verify_block_pq
 from test_sampling import PROMPT, V, assert_same_law, exact_joint, small_target  # noqa: F401 - fixture
 
 N_PQ = 8_000

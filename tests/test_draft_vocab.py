@@ -19,10 +19,10 @@ from flashdraft.drafter.vocab import (
 )
 from flashdraft.engine.batched_dflash import BatchedDFlashProposer
 from flashdraft.engine.decoder import BatchDecoder
-from flashdraft.engine.sampling import SamplingParams
 from flashdraft.kernels.packed_linear import PackedLinear
 from flashdraft.kernels.packed_linear import available as onednn_available
 from flashdraft.kernels.quantize import Fp16Linear, Int8Linear, fp16_available
+from flashdraft.sampling import SamplingParams
 
 
 def drafter_for(target: Target, size: int | None, seed: int = 0) -> DFlashDraftModel:
@@ -169,9 +169,9 @@ def test_the_compiled_draft_head_over_a_vocabulary_gives_the_eager_head_s_logits
     from types import SimpleNamespace
 
     from flashdraft.drafter.model import draft_logits, scale_draft_logits
+    from flashdraft.engine.compiled import compile_options
+    from flashdraft.engine.compiled_draft import draft_head
     from flashdraft.engine.tree import top_candidates
-    from flashdraft.kernels.compiled import compile_options
-    from flashdraft.kernels.compiled_draft import draft_head
 
     torch.manual_seed(0)
     target = SimpleNamespace(compile_options=compile_options(torch.device("cpu")), model=torch.nn.Module())

@@ -10,12 +10,12 @@ import torch
 
 from conftest import VOCAB, tiny_model
 from flashdraft import DFlashDraftModel, Target, generate_ar
+from flashdraft.engine.compiled import compile_verify
 from flashdraft.engine.decoder import BatchDecoder
 from flashdraft.engine.proposers import PerRowProposers
-from flashdraft.engine.sampling import SamplingParams
 from flashdraft.generate import generate
 from flashdraft.kernels import attention
-from flashdraft.kernels.compiled import compile_verify
+from flashdraft.sampling import SamplingParams
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -26,7 +26,7 @@ def test_cpu_linears_are_frozen_into_inductor_s_gemm_template_with_the_linear_s_
     through ATen). The values are the linear's, within the rounding of another summation order."""
     from torch._dynamo.utils import counters
 
-    from flashdraft.kernels.compiled import compile_options, compile_whole
+    from flashdraft.engine.compiled import compile_options, compile_whole
 
     options = compile_options(torch.device("cpu"))
     assert (
@@ -59,7 +59,7 @@ def test_two_frozen_models_of_the_same_shapes_each_run_their_own_weights():
     skip the guards on modules: each compiled function must have code of its own, or the second model of the same
     shapes runs the first one's weights (it did, with PyTorch's `skip_guard_on_all_nn_modules_unsafe` and shared
     code). The two lambdas here share one code object, as two models' verifies share `VerifyForward._forward`."""
-    from flashdraft.kernels.compiled import compile_options, compile_whole
+    from flashdraft.engine.compiled import compile_options, compile_whole
 
     torch.manual_seed(0)
     first, second = (
@@ -86,7 +86,7 @@ def test_frozen_graphs_are_cached_on_disk_under_their_weights(tmp_path, monkeypa
     from torch._dynamo.utils import counters
     from torch.compiler._cache import CacheArtifactManager
 
-    from flashdraft.kernels.compiled import compile_options, compile_whole
+    from flashdraft.engine.compiled import compile_options, compile_whole
 
     def recorded() -> int:  # the cache entries torch keeps in memory for `save_cache_artifacts`
         return sum(len(artifacts) for artifacts in CacheArtifactManager._new_cache_artifacts.values())
@@ -116,7 +116,7 @@ def test_frozen_graphs_are_cached_on_disk_under_their_weights(tmp_path, monkeypa
 
 def test_a_frozen_graph_names_the_weights_it_freezes():
     """compile_whole refuses a frozen graph without its weights: its cache entry would have no name of them."""
-    from flashdraft.kernels.compiled import compile_options, compile_whole
+    from flashdraft.engine.compiled import compile_options, compile_whole
 
     with pytest.raises(ValueError, match="weights"):
         compile_whole(lambda x: x, compile_options(torch.device("cpu")))
@@ -131,9 +131,9 @@ def test_the_compiled_draft_head_gives_the_eager_head_s_logits_for_any_number_of
     from torch._dynamo.utils import counters
 
     from flashdraft.drafter.model import draft_logits
+    from flashdraft.engine.compiled import compile_options
+    from flashdraft.engine.compiled_draft import draft_head
     from flashdraft.engine.tree import top_candidates
-    from flashdraft.kernels.compiled import compile_options
-    from flashdraft.kernels.compiled_draft import draft_head
 
     torch.manual_seed(0)
     options = compile_options(torch.device("cpu"))
@@ -190,8 +190,8 @@ def test_the_compiled_context_projection_is_the_eager_one_in_one_graph():
 
     from torch._dynamo.utils import counters
 
-    from flashdraft.kernels.compiled import compile_options
-    from flashdraft.kernels.compiled_draft import draft_context_pass
+    from flashdraft.engine.compiled import compile_options
+    from flashdraft.engine.compiled_draft import draft_context_pass
 
     torch.manual_seed(0)
     model = tiny_model("llama", layers=4)
@@ -318,3 +318,50 @@ def test_compiled_fp32_short_query_attention_decodes_as_plain_decoding(arch):
     ids = [5 + i % 80 for i in range(100)]
     got = generate(target, draft.eval(), ids, 12, stop_token_ids=[], block_size=8)
     assert got.new_tokens == generate_ar(reference, ids, 12, stop_token_ids=[]).new_tokens
+
+
+def test_on_a_torch_the_gemm_kernels_are_not_made_for_bf16_and_int8_targets_decode_eagerly(monkeypatch):
+    """gemm_templates.py edits torch-private inductor tables, made for one torch release: on another, a bf16 or int8
+    target's `--compile` says so in one line and decodes eagerly (its rows would no longer keep one summation order);
+    an fp32 target, which does not rely on them, still compiles."""
+    from flashdraft.kernels import gemm_templates
+    from flashdraft.kernels.quantize import quantize
+
+    monkeypatch.setattr(gemm_templates, "TESTED_TORCH", ("2.0",))
+    for dtype, scheme in ((torch.bfloat16, None), (torch.bfloat16, "int8"), (torch.float32, "int8")):
+        model = tiny_model("llama").to(dtype)
+        if scheme:
+            quantize(model, scheme)
+        target = Target(model)
+        note = compile_verify(target)
+        assert note is not None and note.startswith(
+            "--compile: flashdraft's CPU GEMM kernels are tested with torch"
+        )
+        assert note.endswith("; decoding eagerly") and "\n" not in note and not target.static_cache
+    fp32 = Target(tiny_model("llama"))
+    assert compile_verify(fp32) is None and fp32.static_cache
+    monkeypatch.setattr(gemm_templates, "TESTED_TORCH", (".".join(torch.__version__.split(".")[:2]),))
+    assert gemm_templates.untested_torch() is None  # this torch: the edits serve
+
+
+def test_an_operator_whose_fake_kernel_lies_about_its_output_is_an_error_not_a_silent_write():
+    """The compiled CPU graphs keep inductor's `size_asserts`: flashdraft's C++ operators are opaque to inductor, which
+    plans its buffers from their fake kernels; one that lies (here three columns out where the kernel writes four) is
+    an assertion in the graph's wrapper, not memory written past a buffer."""
+    from flashdraft.engine.compiled import compile_options, compile_whole
+
+    library = torch.library.Library("flashdraft_test_fake", "DEF")
+    library.define("widen(Tensor x) -> Tensor")
+    library.impl("widen", lambda x: torch.cat([x, x[:, :1]], dim=1), "CPU")
+    torch.library.register_fake(
+        "flashdraft_test_fake::widen", lambda x: x.new_empty(x.shape[0], x.shape[1]), lib=library
+    )
+    weights = torch.nn.Linear(3, 3).eval()
+    step = compile_whole(
+        lambda x: torch.ops.flashdraft_test_fake.widen(weights(x)) * 2,
+        compile_options(torch.device("cpu")),
+        weights=weights,
+    )
+    with torch.no_grad(), pytest.raises(AssertionError, match="size"):
+        step(torch.randn(5, 3))
+    library._destroy()

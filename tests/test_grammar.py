@@ -32,7 +32,7 @@ from flashdraft import (  # noqa: E402
 )
 from flashdraft.engine.costs import CostModel  # noqa: E402
 from flashdraft.engine.grammar import RowGrammar, compile_constraint  # noqa: E402
-from flashdraft.engine.sampling import target_probs  # noqa: E402
+from flashdraft.sampling import target_probs  # noqa: E402
 
 VOCAB = 320
 CORPUS = [

@@ -1,8 +1,11 @@
-"""The package's shape: imports flow one way (no circle, lazy imports included) and no module outgrows a file."""
+"""The package's shape (docs/architecture.md), held by the code's own imports: packages by concept whose imports go
+one way, down the floors; no import circle (lazy imports included); few modules at the top, none over 650 lines; the
+CPU's features read only inside `kernels/`."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import flashdraft
@@ -62,10 +65,67 @@ def test_no_import_circle():
     assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles[:5])
 
 
-def test_no_module_over_700_lines():
+# Each part of the package and its floor: a module may import its own part and the floors below, never above (parts
+# on one floor do not import each other).
+FLOORS = {
+    "cli": 9,
+    "__main__": 10,
+    "errors": 8,
+    "bench": 7,
+    "training": 7,
+    "__init__": 6,
+    "serve": 6,
+    "pipeline": 5,
+    "generate": 5,
+    "engine": 4,
+    "targets": 3,
+    "prompts": 3,
+    "drafter": 2,
+    "models": 2,
+    "kernels": 1,
+    "sampling": 0,
+    "progress": 0,
+    "files": 0,
+    "extras": 0,
+    "_version": 0,
+}
+
+
+def _part(name: str) -> str:
+    return name.split(".")[1] if "." in name else "__init__"
+
+
+def test_imports_go_down_the_floors_and_every_part_has_one():
+    modules = _modules()
+    climbs = []
+    for name, path in modules.items():
+        assert _part(name) in FLOORS, (
+            f"{name}: a part with no floor (add it to FLOORS and docs/architecture.md)"
+        )
+        for other in _imports(name, path, modules):
+            if _part(other) != _part(name) and FLOORS[_part(other)] >= FLOORS[_part(name)]:
+                climbs.append(f"{name} -> {other}")
+    assert not climbs, climbs
+
+
+def test_few_modules_at_the_top_and_none_over_650_lines():
+    top = sorted(p.name for p in ROOT.glob("*.py"))
+    assert len(top) <= 12, top
     long = {
         str(p.relative_to(ROOT)): n
         for p in ROOT.rglob("*.py")
-        if (n := len(p.read_text().splitlines())) > 700
+        if (n := len(p.read_text().splitlines())) > 650
     }
     assert not long, long
+
+
+def test_only_the_kernels_read_the_cpu_s_features():
+    tests = re.compile(
+        r"torch\.cpu\._is_|/proc/cpuinfo|get_cpu_capability|_init_amx|_is_mkldnn_\w+_supported"
+    )
+    readers = sorted(
+        str(p.relative_to(ROOT))
+        for p in ROOT.rglob("*.py")
+        if p.relative_to(ROOT).parts[0] != "kernels" and tests.search(p.read_text())
+    )
+    assert not readers, readers

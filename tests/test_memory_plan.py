@@ -192,7 +192,7 @@ def test_batch_size_zero_takes_the_largest_micro_batch_the_plan_fits(tmp_path):
 
 def test_the_deployed_targets_table_plans_the_fewest_gpus_that_fit():
     """benchmarks/plan_table.py: each target's configuration parses with this transformers, its chosen setting fits
-    80 GB GPUs, and no smaller node size (1, 2, 4, 8 GPUs) does (the README's table is this computation)."""
+    80 GB GPUs, and no smaller node size (1, 2, 4, 8 GPUs) does (docs/training.md's table is this computation)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("plan_table", ROOT / "benchmarks" / "plan_table.py")

@@ -454,14 +454,14 @@ def test_incremental_context_cache_equals_recompute(layer_types, causal):
 @pytest.mark.parametrize("layer_types", [None, ["sliding_attention", "full_attention"]])
 def test_a_bf16_cpu_draft_pass_attends_through_the_kernel_with_sdpa_s_values(monkeypatch, layer_types):
     """Inference in bf16 on a CPU: a block's attention over a static context cache (capacity-wide, its padding
-    hidden by the mask) runs cpu_attention's kernel, grouped K/V heads read in place, and gives the drafter the
+    hidden by the mask) runs attention_cpp's kernel, grouped K/V heads read in place, and gives the drafter the
     values SDPA gives it (the path with gradients: the kernel has no backward), sliding layers too."""
-    from flashdraft.kernels import attention_cpp as cpu_attention
+    from flashdraft.kernels import attention_cpp
 
-    assert cpu_attention.prepare(torch.bfloat16), "the bf16 kernel did not build"
+    assert attention_cpp.prepare(torch.bfloat16), "the bf16 kernel did not build"
     calls = []
-    real = cpu_attention.short_attention
-    monkeypatch.setattr(cpu_attention, "short_attention", lambda *a: calls.append(a[1].shape) or real(*a))
+    real = attention_cpp.short_attention
+    monkeypatch.setattr(attention_cpp, "short_attention", lambda *a: calls.append(a[1].shape) or real(*a))
     extra = {"layer_types": layer_types, "sliding_window": 5} if layer_types else {}
     cfg = small_config(**extra)
     torch.manual_seed(1)

@@ -16,7 +16,7 @@ import torch
 from conftest import _common, byte_tokenizer, hybrid_config, running_server
 from flashdraft import DFlashDraftModel, Target, generate, generate_ar, generate_batch
 from flashdraft.targets.multimodal import ImageError, ImagePrompt, encode_image_prompt, load_image
-from flashdraft.targets.target import load_target
+from flashdraft.targets.target import TargetError, load_target
 
 tf = pytest.importorskip("transformers")
 Image = pytest.importorskip("PIL.Image")
@@ -558,3 +558,28 @@ def test_the_bench_weighs_a_flip_after_an_image_prompt_with_its_image(family):
         )
         assert flip["verdict"] == UNEXPLAINED and flip["plain_argmax"] == reference[i], flip
         assert flip["path_difference"] < 1e-3, flip
+
+
+def test_an_image_text_target_saved_without_its_processor_serves_text_and_refuses_images(
+    llava_on_disk, tmp_path
+):
+    """A checkpoint of the model's files alone (no image processor saved): a text prompt needs only the tokenizer, so
+    it loads and decodes; images are refused in one line, at load when asked for and at the prompt otherwise."""
+    import shutil
+
+    bare = tmp_path / "target"
+    shutil.copytree(llava_on_disk / "target", bare)
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        (bare / name).unlink(missing_ok=True)
+    target = load_target(str(bare), dtype="float32", device="cpu")
+    assert target.processor is None and target.takes_images and target.tokenizer is not None
+    target.model.generation_config.eos_token_id = None
+    drafter = DFlashDraftModel.from_pretrained(llava_on_disk / "draft")
+    ids = target.encode_prompt("what is this")
+    out = generate(target, drafter, ids, N, block_size=4, stop_token_ids=[])
+    assert out.new_tokens == generate_ar(target, ids, N, stop_token_ids=[]).new_tokens
+    with pytest.raises(ImageError, match="without an image processor") as refused:
+        encode_image_prompt(target, "what is this", [llava_on_disk / "cat.png"])
+    assert "\n" not in str(refused.value)
+    with pytest.raises(TargetError, match="cannot load target"):
+        load_target(str(bare), dtype="float32", device="cpu", images=True)

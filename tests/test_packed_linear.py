@@ -117,8 +117,8 @@ def test_the_draft_head_runs_the_packed_head():
 
 
 def test_load_target_packs_and_compile_puts_the_layers_back(tmp_path):
+    from flashdraft.engine.compiled import compile_verify
     from flashdraft.engine.measure import cost_key
-    from flashdraft.kernels.compiled import compile_verify
 
     tok = byte_tokenizer(["a packed target", "and its tokenizer"] * 4, VOCAB)
     saved = on_disk(Target(tiny_model("llama"), tok), tmp_path)

@@ -7,16 +7,16 @@ import torch
 
 from conftest import VOCAB
 from flashdraft import DFlashDraftModel, Target, generate, generate_ar
-from flashdraft.engine.batched_dflash import MAX_SKIP_STEPS, BatchedDFlashProposer
+from flashdraft.engine.batched_dflash import BatchedDFlashProposer
 from flashdraft.engine.calibration import BELOW_PRIOR, DEPTH_GROUPS, Calibration
 from flashdraft.engine.costs import CostModel
 from flashdraft.engine.decoder import BatchDecoder
 from flashdraft.engine.kv_cache import bucket
 from flashdraft.engine.lookup import LookupIndex, prompt_lookup
 from flashdraft.engine.measure import measure_costs
-from flashdraft.engine.policy import AcceptanceTable, best_verify_length, expected_tokens
-from flashdraft.engine.sampling import SamplingParams
+from flashdraft.engine.policy import MAX_SKIP_STEPS, AcceptanceTable, best_verify_length, expected_tokens
 from flashdraft.generate import run
+from flashdraft.sampling import SamplingParams
 
 
 def cpu_like_costs(block: int = 8, draft_s: float = 0.2) -> CostModel:
@@ -236,8 +236,10 @@ def test_a_paid_draft_pass_verifies_only_what_beats_plain_steps(tiny):
     )
     proposer = scripted(target, draft, costs, 0.6)
     e = [expected_tokens(torch.full((3,), 0.6))] * 4
-    assert proposer._batch_rate(e, 3.0, 100, 3)[0] > 0  # priced with its draft pass, 0.6 drafts are verified
-    assert proposer._batch_rate(e, 3.0, 100, 3, paid_against=4 / 1.0)[0] == 0
+    assert (
+        proposer.policy.batch_rate(e, 3.0, 100, 3)[0] > 0
+    )  # priced with its draft pass, 0.6 drafts are verified
+    assert proposer.policy.batch_rate(e, 3.0, 100, 3, paid_against=4 / 1.0)[0] == 0
     probes = probe_steps(proposer)
     prompts = [list(range(3 + i, 20 + i)) for i in range(4)]
     decoder = BatchDecoder(target, proposer)
@@ -284,6 +286,41 @@ def test_the_draft_head_covers_the_slots_a_verify_could_use(tiny, confidence):
         assert set(rows) == {2} and max(res.draft_lengths) <= 2
     else:  # sure: the other 5 slots at every pass but the last ones (2 drafts left to verify), and 7 verified
         assert rows.count(5) >= rows.count(2) - 2 >= 3 and max(res.draft_lengths) == 7
+
+
+def test_the_price_list_s_measurement_is_bounded_in_time_and_says_how_far_it_is(tiny, monkeypatch, tmp_path):
+    """On a machine too busy for the budget, the measurement stops at the contexts it has timed (its first, always),
+    each price timed once from half the budget on; it says each step with the seconds spent, and a price list cut
+    short is not cached (a quieter start measures it whole)."""
+    import flashdraft.engine.measure as measure
+
+    target, draft = tiny
+    forwards = []
+    forward = target.forward
+    monkeypatch.setattr(target, "forward", lambda *a, **k: forwards.append(1) or forward(*a, **k))
+    kwargs = dict(lengths=(1, 2), contexts=(16, 32, 48), repeats=3, batch_tokens=())
+    measure.measure_costs(target, draft, **kwargs, budget_s=1e9)
+    unbounded, said = len(forwards), []
+    forwards.clear()
+    short = measure.measure_costs(target, draft, **kwargs, budget_s=0.0, log=said.append)
+    assert not short.complete and short.verify_slope == [0.0, 0.0] and short.draft_slope == 0.0
+    assert all(b > 0 for b in short.verify_base)
+    # one context of three, each price timed once, not three times
+    assert 0 < len(forwards) < unbounded / 3
+    assert [line.split(" (")[0] for line in said] == [
+        "  prices: verify of 1-2 tokens and a draft pass after 16 tokens of context",
+        "  prices: budget spent: 2 of 3 contexts left unmeasured",
+        "  prices: draft passes of 1 and 4 rows",
+    ]
+    assert all(line.endswith("of at most ~0)") for line in said)
+    monkeypatch.setenv("FLASHDRAFT_COST_CACHE", str(tmp_path))
+    monkeypatch.setattr(measure, "_MEMORY", {})
+    real = measure.measure_costs
+    monkeypatch.setattr(measure, "measure_costs", lambda *a, **k: short)
+    assert measure.load_or_measure_costs(target, draft) is short
+    assert list(tmp_path.iterdir()) == []  # not cached
+    whole = real(target, draft, lengths=(1, 2), contexts=(16, 48), repeats=1, batch_tokens=())
+    assert whole.complete
 
 
 def test_measured_costs_are_positive_and_cover_the_block(tiny):
@@ -406,7 +443,7 @@ def test_batched_verify_prices_each_shape_as_measured(tiny):
     costs = cpu_like_costs()
     proposer = BatchedDFlashProposer(draft, target, costs, lookup=False)
     probs = [expected_tokens(torch.full((3,), 0.6))] * 4
-    assert proposer._batch_rate(probs, 0.0, 100, 3)[0] > 0  # as priced by the cost model, drafts pay
+    assert proposer.policy.batch_rate(probs, 0.0, 100, 3)[0] > 0  # as priced by the cost model, drafts pay
     for _ in range(20):
         proposer.timed(4, 1, 100, float(costs.verify_s(4, 100)))
         for tokens in (2, 3, 4):
@@ -418,7 +455,7 @@ def test_batched_verify_prices_each_shape_as_measured(tiny):
         for n in range(4)
     ]
     assert max(range(4), key=blended.__getitem__) > 0  # one ratio for every shape would still draft
-    assert proposer._batch_rate(probs, 0.0, 100, 3)[0] == 0
+    assert proposer.policy.batch_rate(probs, 0.0, 100, 3)[0] == 0
     ratios = proposer.prices.ratios(4, torch.arange(1, 5))
     assert float(ratios[1] / ratios[0]) == pytest.approx(3.0, rel=0.25)
     assert proposer.prices.ratios(1, torch.arange(1, 4)).tolist() == [
@@ -435,11 +472,11 @@ def test_padded_verifies_are_priced_at_the_length_that_runs(tiny):
     costs = cpu_like_costs()
     proposer = BatchedDFlashProposer(draft, target, costs, lookup=False)
     probs = [expected_tokens(torch.tensor([0.9, 0.9, 0.9, 0.9, 0.02, 0.02, 0.02]))]
-    assert proposer._batch_rate(probs, 0.0, 100, 7)[0] == 4
+    assert proposer.policy.batch_rate(probs, 0.0, 100, 7)[0] == 4
     decoder = BatchDecoder(target, proposer)
     assert proposer.padded_lengths is None  # no buckets on the CPU: priced as proposed
     proposer.padded_lengths = [bucket(n, decoder.block_size, (1, 2, 4, 8)) for n in range(1, 9)]
     assert proposer.padded_lengths == [1, 2, 4, 4, 8, 8, 8, 8]
-    n, rate = proposer._batch_rate(probs, 0.0, 100, 7)
+    n, rate = proposer.policy.batch_rate(probs, 0.0, 100, 7)
     assert n == 3
     assert rate == pytest.approx(float(probs[0][3]) / float(costs.verify_s(4, 100)))

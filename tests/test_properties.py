@@ -17,7 +17,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from conftest import VOCAB, tiny_model  # noqa: E402
 from flashdraft import DFlashDraftModel, GenerationError, Target, generate, generate_ar  # noqa: E402
-from flashdraft.engine.sampling import SamplingError, SamplingParams, target_probs  # noqa: E402
+from flashdraft.sampling import SamplingError, SamplingParams, target_probs  # noqa: E402
 
 # derandomize: the same examples on every run, so CI never meets a new one by chance.
 SETTINGS = settings(

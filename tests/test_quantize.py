@@ -277,7 +277,7 @@ def test_an_fp32_int8_layer_is_the_kernel_s_product_eager_and_compiled():
     fp32 x int8 micro-kernel compiled.py registers), and both agree with ATen's int8 kernel to fp32 rounding."""
     from torch._dynamo.utils import counters
 
-    from flashdraft.kernels.compiled import compile_options, compile_whole
+    from flashdraft.engine.compiled import compile_options, compile_whole
 
     torch.manual_seed(0)
     q = Int8Linear(nn.Linear(96, 200, bias=True), compute_dtype=torch.float32).eval()
@@ -299,7 +299,7 @@ def test_compiled_fp32_int8_layers_give_a_row_its_bits_at_any_row_count():
     engine compiles them: a row's outputs are the same bits whether 1 or up to 17 rows share the call (the template
     sums each row alone, in one order). The verify as a whole is not batch-invariant in fp32: its attention products
     go to ATen's GEMMs (benchmarks/README.md)."""
-    from flashdraft.kernels.compiled import compile_options, compile_whole
+    from flashdraft.engine.compiled import compile_options, compile_whole
 
     torch.manual_seed(0)
     # each layer its own input, so none is fused with another (`_register_int8_concat_linear`); q / k / v as one
@@ -330,8 +330,8 @@ def test_compiled_int8_layers_reading_one_input_are_one_gemm_with_their_values(d
     pair kernel serves them (cpu_gemm.bf16_rows_kernel)."""
     from torch._dynamo.utils import counters
 
-    from flashdraft.engine.kv_cache import symbolic_sizes
-    from flashdraft.kernels.compiled import compile_options, compile_whole, int8_concat_row_dtypes
+    from flashdraft.engine.compiled import compile_options, compile_whole, int8_concat_row_dtypes
+    from flashdraft.kernels.static_buffers import symbolic_sizes
 
     if dtype not in int8_concat_row_dtypes():
         pytest.skip(f"{dtype} rows keep one GEMM per int8 layer on this CPU (no AMX or avx512_bf16)")
@@ -372,7 +372,7 @@ def test_compiled_int8_layers_reading_one_input_are_one_gemm_with_their_values(d
 def test_compiled_dflash_on_an_fp32_int8_target_is_plain_decoding_of_it():
     """`--quantize int8 --dtype float32 --compile`: greedy and seeded sampling, a random drafter and an oracle,
     one row and rows joining and leaving a batch, all emit plain decoding of the same compiled int8 model."""
-    from flashdraft.kernels.compiled import compile_verify
+    from flashdraft.engine.compiled import compile_verify
 
     model = tiny_model("llama", seed=2)
     quantize(model, "int8")
@@ -398,7 +398,7 @@ def test_batched_dflash_on_an_fp16_target_is_plain_decoding_of_each_row():
 
 @needs_fbgemm
 def test_compile_leaves_an_fp16_target_eager():
-    from flashdraft.kernels.compiled import compile_verify
+    from flashdraft.engine.compiled import compile_verify
 
     target = Target(quantized("llama", scheme="fp16"))
     note = compile_verify(target)

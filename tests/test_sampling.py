@@ -14,7 +14,7 @@ from scipy.stats import chisquare
 from conftest import tiny_model
 from flashdraft import DFlashDraftModel, Proposer, SamplingParams, Target, generate, generate_ar
 from flashdraft.engine.costs import CostModel
-from flashdraft.engine.sampling import inverse_cdf_sample, position_uniforms, target_probs, verify_block
+from flashdraft.sampling import inverse_cdf_sample, position_uniforms, target_probs, verify_block
 
 V = 6  # tiny vocabulary: 6^3 = 216 joint outcomes for three tokens
 PROMPT = [3, 1, 4, 1, 5]
@@ -248,7 +248,7 @@ def test_a_vanishing_temperature_decodes_greedily(small_target, temperature):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_non_finite_logits_raise_instead_of_drawing_garbage(temperature):
-    from flashdraft.engine.sampling import SamplingError
+    from flashdraft.sampling import SamplingError
 
     model = tiny_model("llama", seed=3, vocab=V, layers=2)
     with torch.no_grad():
@@ -261,7 +261,7 @@ def test_non_finite_logits_raise_instead_of_drawing_garbage(temperature):
 def test_rows_no_token_can_be_drawn_from_are_those_with_nan_or_inf_or_nothing_left(compiled):
     """`non_finite_rows` (one reduction over the row's maximum, which the compiled verify fuses with its argmax)
     flags a row exactly where a NaN or a +inf is in it, or every logit is -inf, eager and compiled alike."""
-    from flashdraft.engine.sampling import non_finite_rows
+    from flashdraft.sampling import non_finite_rows
 
     gen = torch.Generator().manual_seed(0)
     values = torch.randn(400, 37, generator=gen)
@@ -376,7 +376,7 @@ def test_served_sampling_is_lossless(small_target):
 def test_greedy_rows_are_verified_at_once_as_row_by_row():
     """The engine's one-transfer accept decision for greedy rows equals `verify_block` on each row; a row with
     non-finite logits sends the step back row by row (where the error names its position)."""
-    from flashdraft.engine.sampling import SamplingParams, verify_block, verify_greedy_rows
+    from flashdraft.sampling import SamplingParams, verify_block, verify_greedy_rows
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 5, 11, generator=g)

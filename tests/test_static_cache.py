@@ -12,6 +12,8 @@ import torch
 
 from conftest import VOCAB, OracleProposer, hybrid_model, tiny_model
 from flashdraft import DFlashDraftModel, Target, generate_ar
+from flashdraft.engine.compiled import compile_verify, verify_forward
+from flashdraft.engine.compiled_draft import draft_block_pass
 from flashdraft.engine.costs import CostModel
 from flashdraft.engine.decoder import BatchDecoder
 from flashdraft.engine.kv_cache import (
@@ -25,13 +27,11 @@ from flashdraft.engine.kv_cache import (
 )
 from flashdraft.engine.measure import cost_key, measure_costs
 from flashdraft.engine.proposers import PerRowProposers
-from flashdraft.engine.sampling import SamplingParams
 from flashdraft.generate import generate, generate_batch, run
 from flashdraft.kernels import attention
-from flashdraft.kernels.compiled import compile_verify, verify_forward
-from flashdraft.kernels.compiled_draft import draft_block_pass
+from flashdraft.sampling import SamplingParams
 
-STATIC_ARCHS = ["llama", "qwen2", "qwen3", "mistral"]  # kv_cache.STATIC_FAMILIES, each checked here
+STATIC_ARCHS = ["llama", "qwen2", "qwen3", "mistral"]  # capabilities.STATIC_FAMILIES, each checked here
 EAGER_GRAPH = {"backend": "eager"}  # dynamo traces the whole verify (fullgraph), the kernels stay eager
 
 
@@ -261,7 +261,7 @@ def test_a_caller_in_inference_mode_compiles_nothing_mid_answer(models, monkeypa
     def skipping(self, rows, max_drafts):  # the policy skips drafting on the answer's third and fifth steps
         steps.append(counters["stats"]["unique_graphs"])
         if len(steps) in (3, 5):
-            self.skip_left = 1
+            self.policy.skip_left = 1
         return propose(self, rows, max_drafts)
 
     monkeypatch.setattr(batched.BatchedDFlashProposer, "propose", skipping)
@@ -461,7 +461,7 @@ def test_a_server_decodes_through_the_compiled_verify(models):
 def test_the_static_draft_context_holds_what_a_growing_one_holds():
     """Rows joining and leaving, growth past the capacity, compaction: the static context's used columns are the
     growing one's, and every column past them is padding the mask hides."""
-    from flashdraft.engine.kv_cache import PAD_POSITION, DraftContextCache
+    from flashdraft.drafter.context_cache import PAD_POSITION, DraftContextCache
 
     torch.manual_seed(0)
     growing, static = DraftContextCache(ragged=True), DraftContextCache(ragged=True, capacity=CAPACITY_STEP)
@@ -535,12 +535,12 @@ def test_cuda_graphs_decode_what_the_eager_gpu_path_decodes(models, block_size, 
 def test_the_static_cache_serves_only_what_it_is_verified_on(models, monkeypatch):
     """A family not checked token for token, or attention that would not take the engine's mask (FlashAttention-2
     reads a mask as padding only), keeps the growing cache: exact, eagerly, and `--compile` says why."""
-    import flashdraft.engine.kv_cache as kv_cache
+    import flashdraft.targets.capabilities as capabilities
 
     target = Target(models["llama"])
-    assert kv_cache.static_refusal(target) is None
-    monkeypatch.setattr(kv_cache, "STATIC_FAMILIES", ("qwen3",))
-    assert "llama" in kv_cache.static_refusal(target) and not kv_cache.static_capable(target)
+    assert capabilities.static_refusal(target) is None
+    monkeypatch.setattr(capabilities, "STATIC_FAMILIES", ("qwen3",))
+    assert "llama" in capabilities.static_refusal(target) and not capabilities.static_capable(target)
     monkeypatch.undo()
     config = type(target.model.config)
     monkeypatch.setattr(

@@ -384,7 +384,7 @@ def test_dflash_trees_through_the_compiled_graphs_decode_as_plain():
     """Compiled (static cache, frozen graphs): the drafter's head reduces each slot's tree candidates inside its
     graph and the verify reduces the target's greedy tokens inside its own; the DFlash proposer's trees decode as
     plain decoding, and trees really ran (rows joining and leaving: the eager tests and the compiled oracle's)."""
-    from flashdraft.kernels.compiled import compile_verify
+    from flashdraft.engine.compiled import compile_verify
 
     target = Target(tiny_model("llama", seed=3, max_position_embeddings=512))
     assert compile_verify(target) is None
@@ -461,20 +461,20 @@ def test_hybrid_targets_verify_chains_and_stay_exact():
 
 def _tree_exact_cpu() -> bool:
     """A row-invariant kernel for bf16 rows (AMX, or the pair kernel with avx512_bf16: cpu_gemm.bf16_rows_kernel)
-    and cpu_attention's kernel built: where it does not (torch 2.11 on an H200 machine's Xeon, 2026-11-29), trees
+    and attention_cpp's kernel built: where it does not (torch 2.11 on an H200 machine's Xeon, 2026-11-29), trees
     are refused."""
-    from flashdraft.kernels import attention_cpp as cpu_attention
+    from flashdraft.kernels import attention_cpp
     from flashdraft.kernels.gemm_templates import bf16_rows_kernel
 
-    return bf16_rows_kernel() is not None and cpu_attention.prepare(torch.bfloat16)
+    return bf16_rows_kernel() is not None and attention_cpp.prepare(torch.bfloat16)
 
 
 def test_the_compiled_cpu_path_in_reduced_precision_verifies_trees_only_where_they_are_exact():
-    """Compiled on a CPU in bf16, trees where cpu_attention's kernel and AMX or the pair GEMM kernel keep a
+    """Compiled on a CPU in bf16, trees where attention_cpp's kernel and AMX or the pair GEMM kernel keep a
     node's bits (the next test); chains elsewhere, and in fp16 (the refusal is what the proposer and `--verbose`
     report). Eager bf16 and compiled fp32 keep trees."""
+    from flashdraft.engine.compiled import compile_options
     from flashdraft.engine.tree import tree_refusal
-    from flashdraft.kernels.compiled import compile_options
 
     bf16 = Target(tiny_model("llama").to(torch.bfloat16))
     assert tree_refusal(bf16) is None
@@ -498,10 +498,10 @@ def test_the_compiled_cpu_path_in_reduced_precision_verifies_trees_only_where_th
 
 @pytest.mark.skipif(not _tree_exact_cpu(), reason="exact bf16 trees need AMX or avx512_bf16 (cpu_gemm)")
 def test_oracle_trees_decode_as_plain_compiled_in_bf16():
-    """The compiled bf16 CPU path (frozen graphs, cpu_attention's kernel over a mask as narrow as the columns in
+    """The compiled bf16 CPU path (frozen graphs, attention_cpp's kernel over a mask as narrow as the columns in
     use): random trees, rows joining and leaving, greedy and seeded sampling, every output equal to the same
     compiled target's plain decoding, bit for bit (a node's logits are its path's)."""
-    from flashdraft.kernels.compiled import compile_verify
+    from flashdraft.engine.compiled import compile_verify
 
     target = Target(tiny_model("llama", seed=2, max_position_embeddings=512).to(torch.bfloat16))
     assert compile_verify(target) is None

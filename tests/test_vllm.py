@@ -286,7 +286,7 @@ def test_multi_layer_drafter_known_cpu_k_norm_difference(tiny, monkeypatch):
     assert_exact_outputs(target, as_shipped)
     assert same_as_flashdraft(target, draft, as_shipped)[0] is False, (
         "vLLM's CPU DFlash now drafts what flashdraft drafts with a multi-layer drafter: the k_norm kernel "
-        "difference is gone; update this test and the README's interop section"
+        "difference is gone; update this test and docs/checkpoints.md's interop section"
     )
 
     monkeypatch.setattr(DFlashQwen3Model, "_normalize_context_k", per_layer_k_norm)

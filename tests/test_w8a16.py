@@ -20,11 +20,11 @@ from conftest import (
 )
 from flashdraft import Target
 from flashdraft.drafter.model import DFlashDraftModel
-from flashdraft.kernels import w8a16_cpp as cpu_w8a16
+from flashdraft.kernels import w8a16_cpp
 from flashdraft.kernels.quantize import QuantizeError, W8A16Linear, check_quantize, quantization_of, quantize
 
 needs_kernel = pytest.mark.skipif(
-    not cpu_w8a16.prepare(), reason="the w8a16 kernel needs avx512_vnni and avx512_bf16 (and a C++ compiler)"
+    not w8a16_cpp.prepare(), reason="the w8a16 kernel needs avx512_vnni and avx512_bf16 (and a C++ compiler)"
 )
 
 
@@ -33,11 +33,11 @@ def reference(layer: W8A16Linear, x: torch.Tensor) -> torch.Tensor:
     with the weight (exact in float64 at these sizes), the two scales, the bias."""
     rows = x.reshape(-1, x.shape[-1]).float()
     top = rows.abs().amax(dim=1, keepdim=True)
-    codes = torch.round(rows * (cpu_w8a16.HALF / top))
-    assert codes.abs().max() <= cpu_w8a16.HALF
+    codes = torch.round(rows * (w8a16_cpp.HALF / top))
+    assert codes.abs().max() <= w8a16_cpp.HALF
     out = (
         (codes.double() @ layer.weight_int8.double().T)
-        * (top.double() / cpu_w8a16.HALF)
+        * (top.double() / w8a16_cpp.HALF)
         * layer.scales.double()
     )
     if layer.bias is not None:
@@ -68,7 +68,7 @@ def test_a_w8a16_layer_is_the_integer_product_of_each_row_s_16_bit_codes(dtype):
     # the weight as int8 wants it: per output channel, absmax / 127, each within half a step; the packing undone
     dequantized = layer.weight_int8.float() * layer.scales[:, None]
     assert ((dequantized - linear.weight.float()).abs() <= layer.scales[:, None] / 2 + 1e-6).all()
-    assert torch.equal(cpu_w8a16.unpack(*cpu_w8a16.pack(layer.weight_int8)[:1], 40, 100), layer.weight_int8)
+    assert torch.equal(w8a16_cpp.unpack(*w8a16_cpp.pack(layer.weight_int8)[:1], 40, 100), layer.weight_int8)
     # zeros give the bias; a NaN or inf in a row gives NaN outputs (never finite garbage the engine would take)
     zeros = layer(torch.zeros(1, 100, dtype=dtype))
     torch.testing.assert_close(zeros.float(), linear.bias[None].float(), rtol=tol, atol=tol)
@@ -87,13 +87,13 @@ def test_a_row_gets_its_bits_at_any_row_count_from_either_kernel():
     layer = W8A16Linear(nn.Linear(576, 1000).to(torch.bfloat16))
     x = torch.randn(21, 576, dtype=torch.bfloat16)
     x[3] *= 50
-    thresholds = (4, 64, 0) if cpu_w8a16.kernels() == "avx512_vnni+amx" else (4,)
+    thresholds = (4, 64, 0) if w8a16_cpp.kernels() == "avx512_vnni+amx" else (4,)
     try:
         outputs = []
         for code_rows in thresholds:
-            for ahead in (0, cpu_w8a16.PREFETCH, 64, 40000):
-                cpu_w8a16.set_vnni_rows(code_rows)
-                cpu_w8a16.set_prefetch(ahead)
+            for ahead in (0, w8a16_cpp.PREFETCH, 64, 40000):
+                w8a16_cpp.set_vnni_rows(code_rows)
+                w8a16_cpp.set_prefetch(ahead)
                 setting = f"threshold {code_rows}, prefetch {ahead}"
                 together = layer(x)
                 for i in (0, 3, 7, 20):
@@ -102,8 +102,8 @@ def test_a_row_gets_its_bits_at_any_row_count_from_either_kernel():
                     assert torch.equal(layer(x[:rows]), together[:rows]), f"{rows} rows, {setting}"
                 outputs.append(together)
     finally:
-        cpu_w8a16.set_vnni_rows(4)
-        cpu_w8a16.set_prefetch(cpu_w8a16.PREFETCH)
+        w8a16_cpp.set_vnni_rows(4)
+        w8a16_cpp.set_prefetch(w8a16_cpp.PREFETCH)
     assert all(torch.equal(outputs[0], out) for out in outputs)
     torch.testing.assert_close(outputs[0].float(), reference(layer, x), rtol=1e-2, atol=1e-2)
 
@@ -116,7 +116,7 @@ def test_compiled_w8a16_layers_of_one_input_are_one_call_and_keep_a_row_s_bits()
     whole tile stay apart (the first one's padding would shift the second one's outputs)."""
     from torch._dynamo.utils import counters
 
-    from flashdraft.kernels.compiled import compile_options, compile_whole
+    from flashdraft.engine.compiled import compile_options, compile_whole
 
     torch.manual_seed(0)
     q, k, v, o = (W8A16Linear(nn.Linear(576, n, bias=False).to(torch.bfloat16)) for n in (576, 192, 192, 576))
@@ -165,7 +165,7 @@ def test_dflash_on_a_w8a16_target_is_plain_decoding_of_it(arch):
 @needs_kernel
 def test_compiled_dflash_on_a_w8a16_target_is_plain_decoding_of_it():
     """`--quantize w8a16 --compile`: one row and rows joining and leaving a batch."""
-    from flashdraft.kernels.compiled import compile_verify
+    from flashdraft.engine.compiled import compile_verify
 
     model = tiny_model("llama", seed=2).to(torch.bfloat16)
     quantize(model, "w8a16")
@@ -211,20 +211,20 @@ def test_a_cpu_without_w8a16_s_features_is_refused_naming_them_before_any_build(
 ):
     """On any machine, the CPU's features faked: an Ice Lake or Cascade Lake Xeon has avx512_vnni but not avx512_bf16
     (the kernel's `vcvtneps2bf16`): refused in one line naming what it lacks, nothing built, no layer made."""
-    from flashdraft.kernels import cpp_build as cpp_library
+    from flashdraft.kernels import cpp_build
 
     monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: vnni)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
-    monkeypatch.setattr(cpu_w8a16, "_isa", None)  # not prepared yet in this (faked) process
+    monkeypatch.setattr(w8a16_cpp, "_isa", None)  # not prepared yet in this (faked) process
     builds = []
-    monkeypatch.setattr(cpp_library, "load", lambda *args: builds.append(args))
+    monkeypatch.setattr(cpp_build, "load", lambda *args: builds.append(args))
     want = f"^--quantize w8a16 needs a CPU with avx512_vnni and avx512_bf16 .*which this one lacks {lacks}: "
     with pytest.raises(QuantizeError, match=want + "use --quantize int8$"):
         check_quantize("w8a16", None, torch.device("cpu"))
     # quantize() called directly: refused, not layers whose operator has no kernel
     with pytest.raises(QuantizeError, match=want):
         quantize(tiny_model("llama").to(torch.bfloat16), "w8a16")
-    assert builds == [] and cpu_w8a16.kernels() is None
+    assert builds == [] and w8a16_cpp.kernels() is None
 
 
 @needs_kernel
@@ -238,13 +238,13 @@ def test_a_process_without_w8a16_layers_compiles_frozen_graphs():
     script = (
         "import torch\n"
         "from torch import nn\n"
-        "from flashdraft import cpu_w8a16\n"
-        "from flashdraft.kernels.compiled import compile_options, compile_whole\n"
+        "from flashdraft import w8a16_cpp\n"
+        "from flashdraft.engine.compiled import compile_options, compile_whole\n"
         "layer = nn.Linear(64, 32).to(torch.bfloat16).eval()\n"
         "step = compile_whole(lambda x: layer(x), compile_options(torch.device('cpu')), weights=layer)\n"
         "with torch.no_grad():\n"
         "    out = step(torch.randn(3, 64, dtype=torch.bfloat16))\n"
-        "assert out.shape == (3, 32) and cpu_w8a16.kernels() is None\n"
+        "assert out.shape == (3, 32) and w8a16_cpp.kernels() is None\n"
         "print('compiled')\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)

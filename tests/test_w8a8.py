@@ -100,7 +100,7 @@ def test_compiled_w8a8_layers_are_the_template_s_and_give_a_row_its_bits_at_any_
     are the same bits at 1 to 17 rows, and they are the layer's arithmetic."""
     from torch._dynamo.utils import counters
 
-    from flashdraft.kernels.compiled import compile_options, compile_whole
+    from flashdraft.engine.compiled import compile_options, compile_whole
 
     torch.manual_seed(0)
     shapes = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 4000)]
@@ -150,7 +150,7 @@ def test_dflash_on_a_w8a8_target_is_plain_decoding_of_it(arch):
 @needs_template
 def test_compiled_dflash_on_a_w8a8_target_is_plain_decoding_of_it():
     """`--quantize w8a8 --compile`: one row and rows joining and leaving a batch."""
-    from flashdraft.kernels.compiled import compile_verify
+    from flashdraft.engine.compiled import compile_verify
 
     model = tiny_model("llama", seed=2).to(torch.bfloat16)
     quantize(model, "w8a8")
@@ -168,7 +168,7 @@ def test_compiled_dflash_on_a_w8a8_target_is_plain_decoding_of_it():
 @needs_exact
 def test_what_w8a8_cannot_run_is_refused_or_decodes_eagerly(monkeypatch):
     import flashdraft.kernels.quantize as quantize_module
-    from flashdraft.kernels.compiled import compile_verify
+    from flashdraft.engine.compiled import compile_verify
 
     cpu = torch.device("cpu")
     check_quantize("w8a8", None, cpu)

@@ -181,7 +181,8 @@ int main() {
 
 
 def variant_source() -> str:
-    k = CA._KERNEL.replace("#endif\n}  // namespace\n", "#endif\n" + VARIANT + "}  // namespace\n", 1)
+    kernel = CA.parts()[1]
+    k = kernel.replace("#endif\n}  // namespace\n", "#endif\n" + VARIANT + "}  // namespace\n", 1)
     k = k.replace("constexpr int64_t MAX_QB = 4;", "constexpr int64_t MAX_QB = 16;")
     k = k.replace(
         "int64_t qb = fast64 ? 4 : fast128 ? 2 : 1;",
@@ -206,7 +207,7 @@ def variant_source() -> str:
         "        }\n#endif\n" + old,
         1,
     )
-    return CA.source().replace(CA._KERNEL, k)
+    return CA.source().replace(kernel, k)
 
 
 _lib = torch.library.Library("fdx", "DEF")

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from flashdraft.kernels import attention_cpp as cpu_attention
-from flashdraft.kernels.compiled import compile_verify
+from flashdraft.kernels import attention_cpp
+from flashdraft.engine.compiled import compile_verify
 from flashdraft.engine.measure import static_decoder
 from flashdraft.drafter.model import DFlashDraftModel
 from flashdraft.targets.target import load_target
@@ -57,7 +57,7 @@ def python_implementation(query, key, value, mask, scale):  # b480f3d's `_short_
 
 target = load_target("smollm2-135m-instruct", dtype=dtype, device="cpu", quantize=quantize, compiled=True)
 compile_verify(target)
-assert cpu_attention.ready(torch.bfloat16)
+assert attention_cpp.ready(torch.bfloat16)
 draft = DFlashDraftModel.from_pretrained("drafters/smollm2-135m-instruct").eval()
 ids = torch.randint(100, 20000, (1, 300), generator=torch.Generator().manual_seed(0))
 engine = static_decoder(target, draft, ids[:, :256], dtype=dtype)

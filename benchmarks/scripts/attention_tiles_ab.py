@@ -1,5 +1,5 @@
 """The attention kernel's scores on AMX's tiles against its vector FMAs (attention_cpp.py), switched in one process
-(`cpu_attention.set_tiles`), interleaved, medians: the operator alone (SmolLM2-135M's heads: 9 over 3 KV heads of
+(`attention_cpp.set_tiles`), interleaved, medians: the operator alone (SmolLM2-135M's heads: 9 over 3 KV heads of
 64, a causal bool mask, 1-16 queries over 300 and 1000 columns), then through the engine on SmolLM2-135M
 `--dtype bfloat16 --quantize w8a16 --compile`: the verify of 1-16 tokens after 256 (or the context given), the
 drafter's pass (16 queries over the context), and plain decoding of 128 tokens after an 8-token prompt.
@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from flashdraft.kernels import attention_cpp as cpu_attention
-from flashdraft.kernels.compiled import compile_verify
+from flashdraft.kernels import attention_cpp
+from flashdraft.engine.compiled import compile_verify
 from flashdraft.generate import generate_ar
 from flashdraft.engine.measure import static_decoder
 from flashdraft.drafter.model import DFlashDraftModel
@@ -21,7 +21,7 @@ from flashdraft.targets.target import load_target
 
 torch.set_num_threads(2)
 context = int(sys.argv[1]) if len(sys.argv) > 1 else 256
-assert cpu_attention.prepare(torch.bfloat16) and cpu_attention.tiles(), (
+assert attention_cpp.prepare(torch.bfloat16) and attention_cpp.tiles(), (
     "no AMX tiles here: nothing to compare"
 )
 MODES = {"vector FMAs": False, "AMX tiles": True}
@@ -46,9 +46,9 @@ for width in (300, 1000):
         got = {name: [] for name in MODES}
         for _ in range(2):
             for name, mode in MODES.items():
-                cpu_attention.set_tiles(mode)
+                attention_cpp.set_tiles(mode)
                 got[name].append(
-                    median_us(functools.partial(cpu_attention.short_attention, q, k, v, sees, 0.125))
+                    median_us(functools.partial(attention_cpp.short_attention, q, k, v, sees, 0.125))
                 )
         print(
             f"  {n:2d} x {width:4d}: "
@@ -89,7 +89,7 @@ with torch.no_grad():
     tokens = {}
     for _ in range(8):
         for name, mode in MODES.items():
-            cpu_attention.set_tiles(mode)
+            attention_cpp.set_tiles(mode)
             for n in lengths:
                 for _ in range(5):
                     start = time.perf_counter()
@@ -101,7 +101,7 @@ with torch.no_grad():
                 times[(name, "draft")].append(time.perf_counter() - start)
             step, tokens[name] = plain()
             steps[name].append(step)
-    cpu_attention.set_tiles(True)
+    attention_cpp.set_tiles(True)
 print(f"verify after {context}, ms at", " ".join(f"{n:>6}" for n in lengths), "tokens; the draft pass")
 for name in MODES:
     row = [1e3 * statistics.median(times[(name, n)]) for n in (*lengths, "draft")]

@@ -20,7 +20,7 @@ import time
 import torch
 
 from flashdraft import DFlashDraftModel, load_target
-from flashdraft.kernels.compiled import compile_verify
+from flashdraft.engine.compiled import compile_verify
 from flashdraft.prompts.benchmarks import load_bench_dataset
 from flashdraft.generate import generate_batch
 from flashdraft.engine.measure import cpu_name, load_or_measure_costs

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from flashdraft.kernels.compiled import compile_verify
+from flashdraft.engine.compiled import compile_verify
 from flashdraft.engine.measure import static_decoder
 from flashdraft.drafter.model import DFlashDraftModel
 from flashdraft.targets.target import load_target

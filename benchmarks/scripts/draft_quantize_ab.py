@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from flashdraft.kernels.compiled import compile_verify
+from flashdraft.engine.compiled import compile_verify
 from flashdraft.engine.measure import interleaved_medians, static_decoder
 from flashdraft.drafter.model import DFlashDraftModel
 from flashdraft.kernels.quantize import quantize

@@ -5,7 +5,7 @@ cost model measured before timing), τ, and every output against plain decoding.
 Run: python benchmarks/scripts/draft_vocab_ab.py [bfloat16|float32] [int8]"""
 
 import sys, time, torch
-from flashdraft.kernels.compiled import compile_verify
+from flashdraft.engine.compiled import compile_verify
 from flashdraft.prompts.benchmarks import load_bench_dataset
 from flashdraft.generate import generate, generate_ar
 from flashdraft.engine.measure import load_or_measure_costs

@@ -4,7 +4,7 @@ that compare them (fused_layer_ab.py, fused_layer_features.py; beside them, so t
 
 import os
 
-from flashdraft.kernels.compiled import compile_verify
+from flashdraft.engine.compiled import compile_verify
 from flashdraft.targets.target import load_target
 
 

@@ -2,7 +2,7 @@
 symbolic row count as the verify has it: ms, GB/s of weights and GFLOP/s at 1-16 rows. benchmarks/README.md,
 2026-11-27 (avx2 EPYC). Run: python benchmarks/scripts/gemm_rows.py"""
 import sys, time, torch, statistics
-import flashdraft.kernels.compiled as C
+import flashdraft.engine.compiled as C
 torch.set_num_threads(2)
 shapes = {"qo": (576, 576), "kv": (576, 192), "gate_up": (576, 1536), "down": (1536, 576), "head": (576, 49152)}
 mode = sys.argv[1] if len(sys.argv) > 1 else "dynamic"

@@ -13,7 +13,7 @@ import time
 import torch
 from torch import nn
 
-import flashdraft.kernels.compiled as C
+import flashdraft.engine.compiled as C
 from flashdraft.kernels.gemm_templates import register_cpu_gemm_kernels
 from flashdraft.kernels.quantize import Int8Linear
 

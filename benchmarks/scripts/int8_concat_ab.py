@@ -9,7 +9,7 @@ import time
 
 import torch
 
-import flashdraft.kernels.compiled as C
+import flashdraft.engine.compiled as C
 from flashdraft.engine.measure import static_decoder
 from flashdraft.drafter.model import DFlashDraftModel
 from flashdraft.targets.target import load_target

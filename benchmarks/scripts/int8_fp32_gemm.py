@@ -10,9 +10,9 @@ import time
 import torch
 from torch import nn
 
-import flashdraft.kernels.compiled as compiled
+import flashdraft.engine.compiled as compiled
 from flashdraft.kernels.gemm_templates import register_cpu_gemm_kernels
-from flashdraft.engine.kv_cache import symbolic_sizes
+from flashdraft.kernels.static_buffers import symbolic_sizes
 
 variant = sys.argv[1]
 if variant == "int8-aten":  # as before flashdraft registered the configuration

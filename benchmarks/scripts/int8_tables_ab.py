@@ -9,7 +9,7 @@ import time
 import torch
 from torch import nn
 
-import flashdraft.kernels.compiled as C
+import flashdraft.engine.compiled as C
 import flashdraft.kernels.gemm_templates as G
 from flashdraft.kernels.quantize import Int8Linear
 

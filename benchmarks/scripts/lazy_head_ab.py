@@ -4,7 +4,7 @@ HumanEval prompts, 128 tokens; tok/s (the graphs compiled before timing) and eve
 benchmarks/README.md, 2026-11-27. Run: python benchmarks/scripts/lazy_head_ab.py"""
 import json, sys, time, torch
 import flashdraft.engine.batched_dflash as B
-from flashdraft.kernels.compiled import compile_verify
+from flashdraft.engine.compiled import compile_verify
 from flashdraft.targets.target import load_target
 from flashdraft.drafter.model import DFlashDraftModel
 from flashdraft.generate import generate, generate_ar

@@ -9,25 +9,25 @@ import time
 
 import torch
 
-import flashdraft.kernels.compiled as Cm
-from flashdraft.kernels import attention_cpp as cpu_attention, w8a16_cpp as cpu_w8a16
+import flashdraft.engine.compiled as Cm
+from flashdraft.kernels import attention_cpp, w8a16_cpp
 from flashdraft.engine.measure import static_decoder
 from flashdraft.drafter.model import DFlashDraftModel
 from flashdraft.targets.target import load_target
 
 torch.set_num_threads(2)
 C = int(sys.argv[1]) if len(sys.argv) > 1 else 256
-cpu_w8a16.prepare()
-cpu_attention.prepare(torch.bfloat16)
+w8a16_cpp.prepare()
+attention_cpp.prepare(torch.bfloat16)
 g = torch.Generator().manual_seed(0)
 layers = []
 for _ in range(30):
     for n, k in [(960, 576), (576, 576), (3072, 576), (576, 1536)]:
         w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
-        p, c = cpu_w8a16.pack(w)
+        p, c = w8a16_cpp.pack(w)
         layers.append((p, torch.rand(n) * 0.01, c, k))
 w = torch.randint(-127, 128, (49152, 576), dtype=torch.int8, generator=g)
-p, c = cpu_w8a16.pack(w)
+p, c = w8a16_cpp.pack(w)
 layers.append((p, torch.rand(49152) * 0.01, c, 576))
 op = torch.ops.flashdraft.w8a16_linear.default
 att = torch.ops.flashdraft.short_attention.default

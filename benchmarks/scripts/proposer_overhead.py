@@ -11,9 +11,10 @@ import time
 import torch
 
 import flashdraft.engine.batched_dflash as B
-import flashdraft.kernels.compiled as C
+import flashdraft.engine.policy as P
+import flashdraft.engine.compiled as C
 import flashdraft.engine.decoder as E
-from flashdraft.kernels.compiled import compile_verify
+from flashdraft.engine.compiled import compile_verify
 from flashdraft.prompts.benchmarks import load_bench_dataset
 from flashdraft.generate import generate_batch
 from flashdraft.engine.measure import load_or_measure_costs
@@ -28,8 +29,9 @@ time_methods(
         (E.BatchDecoder, ["step", "add", "forward_block", "_block", "_compact", "_remove", "_merge"]),
         (
             B.BatchedDFlashProposer,
-            ["propose", "accept", "add", "remove", "observe", "timed", "_free_proposal", "_batch_rate", "draft_rows"],
+            ["propose", "accept", "add", "remove", "observe", "timed", "_free_proposal", "draft_rows"],
         ),
+        (P.BatchPolicy, ["batch_rate"]),
     ]
 )
 C.VerifyForward.__call__ = timed("VerifyForward.__call__", C.VerifyForward.__call__)

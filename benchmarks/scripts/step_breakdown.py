@@ -7,8 +7,9 @@ import torch
 import flashdraft.engine.batched_dflash as B
 import flashdraft.engine.decoder as E
 import flashdraft.drafter.model as M
-import flashdraft.engine.kv_cache as K
-from flashdraft.kernels.compiled import compile_verify
+import flashdraft.drafter.context_cache as K
+import flashdraft.engine.policy as P
+from flashdraft.engine.compiled import compile_verify
 from flashdraft.generate import generate, generate_ar
 from flashdraft.engine.measure import load_or_measure_costs
 from flashdraft.drafter.model import DFlashDraftModel
@@ -22,8 +23,8 @@ from call_timers import calls, spent, time_methods, timed  # noqa: E402 (beside 
 
 time_methods([
     (E.BatchDecoder, ["step", "forward_block", "_block", "_compact"]),
-    (B.BatchedDFlashProposer, ["propose", "draft_rows", "draft_more_slots", "_first_slots", "_choices", "_batch_rate",
-                               "timed", "observe", "accept", "_compact"]),
+    (B.BatchedDFlashProposer, ["propose", "draft_rows", "draft_more_slots", "_first_slots", "_choices", "timed", "observe", "accept", "_compact"]),
+    (P.BatchPolicy, ["batch_rate"]),
     (M.DFlashDraftModel, ["forward"]),  # not _attention_masks: the compiled block pass traces it
     (K.DraftContextCache, ["append"]),
 ])
@@ -31,7 +32,7 @@ E.verify_greedy_rows = timed("verify_greedy_rows", E.verify_greedy_rows)
 E.static_mask = timed("static_mask", E.static_mask)
 
 import os
-import flashdraft.kernels.compiled as C
+import flashdraft.engine.compiled as C
 if os.environ.get("CONCAT"):  # experiment: inductor's concat-linear freezing pass on
     base = C.compile_options
     def with_concat(*a, **k):
@@ -68,7 +69,7 @@ def init(self, *a, **k):
 B.BatchedDFlashProposer.__init__ = init
 C.VerifyForward.__call__ = timed("VerifyForward.__call__", C.VerifyForward.__call__)
 C.run_compiled = timed("run_compiled (all graphs)", C.run_compiled)
-import flashdraft.kernels.compiled_draft as CD
+import flashdraft.engine.compiled_draft as CD
 CD.run_compiled = C.run_compiled  # the drafter's graphs call it by that module's name
 
 prompts = []

@@ -16,7 +16,8 @@ import time
 import torch
 
 from flashdraft.engine.measure import cpu_name
-from flashdraft.targets.target import choose_mask_token_id, load_target
+from flashdraft.drafter.config import choose_mask_token_id
+from flashdraft.targets.target import load_target
 from flashdraft.training.trainer import TrainConfig, Trainer
 from flashdraft.training.dataset import TrainingData
 

@@ -16,7 +16,7 @@ import collections, json, os, sys, time
 import torch
 import flashdraft.engine.batched_dflash as B
 from flashdraft.engine.calibration import calibration_for
-from flashdraft.kernels.compiled import compile_verify
+from flashdraft.engine.compiled import compile_verify
 from flashdraft.prompts.benchmarks import load_bench_dataset
 from flashdraft.generate import generate, generate_ar
 from flashdraft.engine.measure import load_or_measure_costs

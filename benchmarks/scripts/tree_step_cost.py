@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from flashdraft import DFlashDraftModel, generate, generate_ar, load_target
-from flashdraft.kernels.compiled import compile_verify
+from flashdraft.engine.compiled import compile_verify
 from flashdraft.prompts.benchmarks import load_bench_dataset
 from flashdraft.engine.measure import cpu_name
 
@@ -30,7 +30,7 @@ from flashdraft.engine.measure import cpu_name
 def time_parts() -> tuple[collections.Counter, collections.Counter]:
     """Wraps the functions a tree step adds to or changes; returns the timers' (seconds, calls) by name."""
     import flashdraft.engine.batched_dflash as B
-    import flashdraft.kernels.compiled as C
+    import flashdraft.engine.compiled as C
     import flashdraft.engine.decoder as E
     import flashdraft.engine.tree as T
 

@@ -4,7 +4,7 @@ compiled at, 2 as the engine does), FILTER=1 (inductor's C++ GEMM template where
 QUANT=int8, LENGTHS. benchmarks/README.md, 2026-11-27. Run: python benchmarks/scripts/verify_bits.py"""
 import os, sys, time, torch
 import flashdraft.engine.decoder as E
-from flashdraft.kernels.compiled import compile_verify
+from flashdraft.engine.compiled import compile_verify
 from flashdraft.targets.target import load_target
 from flashdraft.drafter.model import DFlashDraftModel
 from flashdraft.engine.measure import static_decoder, median_seconds

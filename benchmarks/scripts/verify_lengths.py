@@ -2,7 +2,7 @@
 or the two ranges 2-4 and 5-64 (`ranges`, the reverted d640f2b, patched in here). benchmarks/README.md, 2026-11-27.
 Run: python benchmarks/scripts/verify_lengths.py symbolic|static|ranges bfloat16 [- 1,2,4,8,16]"""
 import sys, time, torch
-import flashdraft.kernels.compiled as C
+import flashdraft.engine.compiled as C
 from flashdraft.targets.target import load_target
 from flashdraft.drafter.model import DFlashDraftModel
 from flashdraft.engine.measure import static_decoder, median_seconds

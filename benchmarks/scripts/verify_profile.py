@@ -2,7 +2,7 @@
 profiling on), in the given dtype and quantization. benchmarks/README.md, 2026-11-27 (fp32) and 2026-11-28 (bf16,
 int8 x bf16). Run: python benchmarks/scripts/verify_profile.py 1,16 [float32|bfloat16] [int8]"""
 import sys, time, torch
-import flashdraft.kernels.compiled as C
+import flashdraft.engine.compiled as C
 from flashdraft.targets.target import load_target
 from flashdraft.drafter.model import DFlashDraftModel
 from flashdraft.engine.measure import static_decoder, median_seconds

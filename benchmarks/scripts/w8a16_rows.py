@@ -1,9 +1,9 @@
-"""The w8a16 kernel's two paths by row count (cpu_w8a16.set_vnni_rows: vpdpbusd up to that many code rows, two per
+"""The w8a16 kernel's two paths by row count (w8a16_cpp.set_vnni_rows: vpdpbusd up to that many code rows, two per
 token, AMX's tiles above): SmolLM2-135M's compiled verify after 256 tokens through the engine (`static_decoder`),
 at 1-16 tokens, each threshold in turn within one round, rounds interleaved, median ms; and int8 (`--quantize
 int8`, inductor's GEMMs) beside it when given. The kernels give the same bits (tests/test_w8a16.py), so the
 threshold is a speed choice only. With `prefetch`: the distances the kernels prefetch their weights ahead
-(cpu_w8a16.set_prefetch, bytes; 0: none) instead of the thresholds, at the default threshold.
+(w8a16_cpp.set_prefetch, bytes; 0: none) instead of the thresholds, at the default threshold.
 benchmarks/README.md, 2026-12-05 (stop 74) and 2026-12-06 (prefetch).
 Run: python benchmarks/scripts/w8a16_rows.py [int8] [prefetch]"""
 
@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from flashdraft.kernels import w8a16_cpp as cpu_w8a16
-from flashdraft.kernels.compiled import compile_verify
+from flashdraft.kernels import w8a16_cpp
+from flashdraft.engine.compiled import compile_verify
 from flashdraft.engine.measure import static_decoder
 from flashdraft.drafter.model import DFlashDraftModel
 from flashdraft.targets.target import load_target
@@ -23,7 +23,7 @@ torch.set_num_threads(2)
 lengths = (1, 2, 3, 4, 6, 8, 16)
 prefetch = "prefetch" in sys.argv[1:]
 schemes = [a for a in sys.argv[1:] if a != "prefetch"]
-amx = cpu_w8a16.prepare() and cpu_w8a16.kernels() == "avx512_vnni+amx"
+amx = w8a16_cpp.prepare() and w8a16_cpp.kernels() == "avx512_vnni+amx"
 settings = (0, 1024, 2048, 4096) if prefetch else (2, 4, 6, 8, 16) if amx else (8,)
 ids = torch.randint(100, 20000, (1, 300), generator=torch.Generator().manual_seed(0))
 draft = DFlashDraftModel.from_pretrained("drafters/smollm2-135m-instruct").eval()
@@ -51,7 +51,7 @@ with torch.no_grad():
     for _ in range(8):
         for run in runs:
             if run[1] is not None:
-                (cpu_w8a16.set_prefetch if prefetch else cpu_w8a16.set_vnni_rows)(run[1])
+                (w8a16_cpp.set_prefetch if prefetch else w8a16_cpp.set_vnni_rows)(run[1])
             for n in lengths:
                 for _ in range(5):
                     start = time.perf_counter()

@@ -17,12 +17,12 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from .drafter.vocab import DraftVocabError
     from .engine.grammar import GrammarError
     from .engine.request import GenerationError
-    from .engine.sampling import SamplingError
     from .extras import MissingExtraError
     from .kernels.quantize import QuantizeError
     from .models.packs import PackError
     from .prompts.benchmarks import DatasetError
     from .prompts.files import PromptFormatError
+    from .sampling import SamplingError
     from .targets.target import TargetError
     from .training.data_layout import DataError
     from .training.memory_plan import PlanError

@@ -29,8 +29,8 @@ from .engine.grammar import Constraint, compile_constraint, constraint_from_resp
 from .engine.measure import load_or_measure_costs
 from .engine.proposers import BatchProposer, NoProposer, PerRowProposers, Proposer
 from .engine.request import GenerationError, GenerationResult, as_target, check_block_size, check_request
-from .engine.sampling import SamplingParams
 from .engine.tree import check_tree
+from .sampling import SamplingParams
 from .targets.target import Target, TargetError
 
 

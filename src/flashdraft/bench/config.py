@@ -193,7 +193,7 @@ def machine_info(
 ) -> dict[str, Any]:
     import transformers
 
-    from .. import __version__
+    from .._version import __version__
 
     info: dict[str, Any] = {
         "cpu": cpu_name(),

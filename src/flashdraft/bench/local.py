@@ -91,38 +91,35 @@ class LocalMethods:
 
     def __init__(self, cfg: BenchConfig, out_dir: Path | None = None, images: bool = False) -> None:
         """`images`: a dataset has image records (an image-text target is loaded whole, multimodal.py)."""
-        from ..drafter.model import DFlashDraftModel
-        from ..kernels.compiled import compile_verify
+        from ..pipeline import load_pipeline
         from ..targets.target import load_target
 
         self.cfg = cfg
-        self.target = load_target(
+        wants_draft = any(m in DFLASH_METHODS for m in cfg.methods)
+        pipeline = load_pipeline(
             cfg.target,
+            cfg.draft if wants_draft else None,
             dtype=cfg.dtype,
             device=cfg.device,
             quantize=cfg.quantize,
             images=images or None,
-            compiled=cfg.compile_verify,
+            compile=cfg.compile_verify,
+            draft_vocab=cfg.draft_vocab,
         )
-        self.target.check_decodable()
-        self.compile_note = compile_verify(self.target) if cfg.compile_verify else None
+        self.target = pipeline.target
+        self.compile_note = pipeline.compile_note
         self.device = self.target.device
         self.stop_ids = self.target.eos_token_ids
         tok = self.target.tokenizer
         pad = getattr(tok, "pad_token_id", None) if tok is not None else None
         self.pad_id = pad if pad is not None else (self.stop_ids[0] if self.stop_ids else 0)
-        self.draft = None
+        self.draft = pipeline.drafter
         self.block_size: int | None = (
             None  # the drafter's trained block (histogram bins, fixed verify length)
         )
         self.verify: int | str = "auto"  # what method dflash verifies: "auto" or a fixed block size
         self.cost_model = None
-        if any(m in DFLASH_METHODS for m in cfg.methods):
-            self.draft = DFlashDraftModel.from_pretrained(
-                cfg.draft, dtype=self.target.dtype, device=self.device
-            )
-            self.target.check_drafter(self.draft.config)
-            self.draft.draft_vocab_size = cfg.draft_vocab
+        if self.draft is not None:
             self.block_size = self.draft.config.block_size
             self.verify = cfg.block_size or "auto"
             if cfg.block_size and cfg.block_size > self.block_size:
@@ -130,11 +127,7 @@ class LocalMethods:
                     f"--block-size {cfg.block_size} exceeds the drafter's block size {self.block_size}"
                 )
             if self.verify == "auto" and {"dflash", "dflash-pq", "dflash-tree"} & set(cfg.methods):
-                from ..engine.measure import load_or_measure_costs
-
-                self.cost_model = load_or_measure_costs(
-                    self.target, self.draft, log=lambda m: console.print(m, soft_wrap=True)
-                )
+                self.cost_model = pipeline.measure_costs(log=lambda m: console.print(m, soft_wrap=True))
                 console.print(self.cost_model.summary(), soft_wrap=True)
         self.assistant = None
         if "sd" in cfg.methods:

@@ -86,7 +86,7 @@ def tree_note(target: Any, nodes: int | None) -> str | None:
 
 def compile_or_note(target: Any) -> None:
     """`--compile` on a loaded target: its verify compiled, or one line saying why it decodes eagerly."""
-    from ..kernels.compiled import compile_verify
+    from ..engine.compiled import compile_verify
 
     note = compile_verify(target)
     if note:

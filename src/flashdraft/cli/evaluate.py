@@ -36,18 +36,9 @@ def eval_command(
     import torch
 
     from ..drafter.checkpoint import load_drafter_config
-    from ..drafter.model import DFlashDraftModel
     from ..generate import GenerationError
-    from ..kernels.quantize import check_quantize
-    from ..models.packs import resolve_model
+    from ..pipeline import load_pipeline
     from ..prompts.benchmarks import DatasetError, load_bench_dataset
-    from ..targets.target import (
-        check_decodable_config,
-        check_drafter_fits_config,
-        load_target,
-        parse_device,
-        parse_dtype,
-    )
     from ..training.export import evaluate_tau
 
     names = [n.strip() for n in datasets.split(",") if n.strip()]
@@ -67,17 +58,8 @@ def eval_command(
     draft_config = load_drafter_config(draft)
     if block_size is not None:
         parse_block_size(str(block_size), draft_config.block_size)  # the same range check as `generate`
-    dev, torch_dtype = parse_device(device), parse_dtype(dtype)
-    check_quantize(quantize, torch_dtype, dev)
-    target_path = resolve_model(target)
-    from transformers import AutoConfig
-
-    target_config = AutoConfig.from_pretrained(target_path)
-    check_decodable_config(target_config, target)
-    check_drafter_fits_config(draft_config, target_config, target)
-    tgt = load_target(target_path, dtype=torch_dtype, device=dev, quantize=quantize)
-    tgt.name = target
-    drafter = DFlashDraftModel.from_pretrained(draft, dtype=tgt.dtype, device=tgt.device)
+    pipeline = load_pipeline(target, draft, dtype=dtype, device=device, quantize=quantize)
+    tgt, drafter = pipeline.target, pipeline.drafter
     with torch.no_grad():  # not set_grad_enabled: a command run in-process leaves its caller's mode alone
         results = evaluate_tau(tgt, drafter, names, samples, max_new_tokens, block_size=block_size)
     verify = block_size or drafter.block_size

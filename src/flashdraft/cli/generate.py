@@ -17,7 +17,6 @@ from .common import (
     DraftVocabOption,
     QuantizeOption,
     TreeOption,
-    compile_or_note,
     console,
     out,
     parse_block_size,
@@ -144,20 +143,19 @@ def generate_command(
     import torch
 
     from ..drafter.checkpoint import load_drafter_config
-    from ..drafter.model import DFlashDraftModel
-    from ..engine.sampling import SamplingParams
+    from ..engine.compiled import compile_options
     from ..generate import GenerationError, generate, generate_ar
-    from ..kernels.compiled import compile_options
     from ..kernels.quantize import check_quantize
     from ..models.packs import resolve_model
+    from ..pipeline import load_pipeline
     from ..progress import busy_machine_warning, quiet_libraries
+    from ..sampling import SamplingParams
     from ..targets.model_parts import image_text_class
     from ..targets.multimodal import ImageError, encode_image_prompt, load_image
     from ..targets.target import (
         TargetError,
         check_decodable_config,
         check_drafter_fits_config,
-        load_target,
         parse_device,
         parse_dtype,
     )
@@ -198,19 +196,19 @@ def generate_command(
         torch.set_num_threads(threads)
 
     t0 = time.perf_counter()
-    tgt = load_target(
-        target_path,
+    pipeline = load_pipeline(
+        target,
+        draft,
         dtype=torch_dtype,
         device=dev,
         quantize=quantize,
         images=bool(images) or None,
-        compiled=compile_verify,
+        compile=compile_verify,
+        draft_vocab=vocab_size,
     )
-    tgt.name = target
-    if compile_verify:
-        compile_or_note(tgt)
-    drafter = DFlashDraftModel.from_pretrained(draft, dtype=tgt.dtype, device=tgt.device)
-    drafter.draft_vocab_size = vocab_size
+    if pipeline.compile_note:
+        console.print(f"[yellow]note:[/] {pipeline.compile_note}")
+    tgt, drafter = pipeline.target, pipeline.drafter
     load_s = time.perf_counter() - t0
     busy = busy_machine_warning(tgt.device.type, torch.get_num_threads())
     if busy:
@@ -240,9 +238,7 @@ def generate_command(
     spec = dict(block_size=verify, tree=nodes)
     costs = None
     if verify == "auto":
-        from ..engine.measure import load_or_measure_costs
-
-        costs = load_or_measure_costs(tgt, drafter, log=lambda m: console.print(m, soft_wrap=True))
+        costs = pipeline.measure_costs(log=lambda m: console.print(m, soft_wrap=True))
         if verbose:
             console.print(costs.summary(), soft_wrap=True)
     if tgt.dtype != torch.float32 and temperature == 0:
@@ -270,10 +266,30 @@ def generate_command(
         )
         ar = generate_ar(tgt, ids, max_new_tokens, **kwargs)
 
+    text = tgt.tokenizer.decode(res.new_tokens, skip_special_tokens=True)
+    report = _report(text, target, draft, drafter, res, ar, load_s, verify, nodes)
+    if as_json:
+        out.print_json(json.dumps(report))
+        return
+    _print_summary(report, res, ar, temperature, seed, draft_sampling)
+
+
+def _report(
+    text: str,
+    target: str,
+    draft: Path,
+    drafter: Any,
+    res: Any,
+    ar: Any,
+    load_s: float,
+    verify: Any,
+    nodes: Any,
+) -> dict[str, Any]:
+    """What `--json` prints: the text, both runs' figures, the speedup and whether the outputs are identical."""
     meta = drafter.config.flashdraft or {}
     untrained = meta.get("trained") is False
     report: dict[str, Any] = {
-        "text": tgt.tokenizer.decode(res.new_tokens, skip_special_tokens=True),
+        "text": text,
         "target": target,
         "draft": str(draft),
         "prompt_tokens": res.prompt_length,
@@ -288,9 +304,14 @@ def generate_command(
         report["speedup"] = ar.total_s / res.total_s if res.total_s else None
         report["decode_speedup"] = ar.decode_s / res.decode_s if res.decode_s else None
         report["identical_to_ar"] = ar.new_tokens == res.new_tokens
-    if as_json:
-        out.print_json(json.dumps(report))
-        return
+    return report
+
+
+def _print_summary(
+    report: dict[str, Any], res: Any, ar: Any, temperature: float, seed: int | None, draft_sampling: str
+) -> None:
+    """The table of both runs, the speedup, and whether the output is plain decoding's."""
+    untrained = report["untrained_drafter"]
     table = Table(show_header=True, title="generation")
     for col in ("", "tokens", "τ", "tokens/s", "decode tok/s", "prefill s", "total s"):
         table.add_column(col)

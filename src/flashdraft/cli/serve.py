@@ -13,7 +13,6 @@ from .common import (
     DraftVocabOption,
     QuantizeOption,
     TreeOption,
-    compile_or_note,
     console,
     parse_block_size,
     parse_draft_vocab,
@@ -65,11 +64,11 @@ def serve_command(
 
     require_extra("serve", "fastapi", "uvicorn", "prometheus_client")
     from ..drafter.checkpoint import load_drafter_config
-    from ..drafter.model import DFlashDraftModel
     from ..generate import GenerationError
     from ..kernels.quantize import check_quantize
+    from ..pipeline import load_pipeline
     from ..serve import Engine, build_app, run_server
-    from ..targets.target import check_drafter_fits_config, load_target, parse_device, parse_dtype
+    from ..targets.target import parse_device, parse_dtype
 
     dev, torch_dtype = parse_device(device), parse_dtype(dtype)
     check_quantize(quantize, torch_dtype, dev)
@@ -82,26 +81,25 @@ def serve_command(
         raise GenerationError(f"--max-queue must be >= 1, got {max_queue}")
     if max_batch_size < 1:
         raise GenerationError(f"--max-batch-size must be >= 1, got {max_batch_size}")
-    tgt = load_target(
-        target, dtype=torch_dtype, device=dev, quantize=quantize, images=images, compiled=compile_verify
-    )
-    tgt.check_decodable()
-    if compile_verify:
-        compile_or_note(tgt)
-    drafter = None
-    if draft is not None:
-        check_drafter_fits_config(load_drafter_config(draft), tgt.model.config, target)
-        drafter = DFlashDraftModel.from_pretrained(draft, dtype=tgt.dtype, device=tgt.device)
-        drafter.draft_vocab_size = vocab_size
-        if note := tree_note(tgt, nodes):
-            console.print(f"[yellow]note:[/] {note}")
     if threads:
         torch.set_num_threads(threads)
-    costs = None
-    if drafter is not None and verify == "auto":
-        from ..engine.measure import load_or_measure_costs
-
-        costs = load_or_measure_costs(tgt, drafter, log=lambda m: console.print(m, soft_wrap=True))
+    pipeline = load_pipeline(
+        target,
+        draft,
+        dtype=torch_dtype,
+        device=dev,
+        quantize=quantize,
+        images=images,
+        compile=compile_verify,
+        draft_vocab=vocab_size,
+        costs=draft is not None and verify == "auto",
+        log=lambda m: console.print(m, soft_wrap=True),
+    )
+    if pipeline.compile_note:
+        console.print(f"[yellow]note:[/] {pipeline.compile_note}")
+    tgt, drafter, costs = pipeline.target, pipeline.drafter, pipeline.costs
+    if drafter is not None and (note := tree_note(tgt, nodes)):
+        console.print(f"[yellow]note:[/] {note}")
     engine = Engine(
         tgt,
         drafter,

@@ -29,12 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..engine.kv_cache import PAD_POSITION, DraftContextCache  # noqa: F401 - PAD_POSITION: this module's name for it
 from ..files import atomic_write
-from ..kernels import attention_cpp as cpu_attention
+from ..kernels import attention_cpp
 from ..kernels.attention import kernel_serves
 from .checkpoint import MASK_EMBEDDING_NAME, DFlashCheckpointError, load_mask_embedding, resolve_draft_path
 from .config import SLIDING_ATTENTION, WEIGHTS_NAME, DFlashConfig
+from .context_cache import PAD_POSITION, DraftContextCache  # noqa: F401 - PAD_POSITION: this module's name for it
 from .dflash2 import CandidateSelector, GroupedDynamicCausalConv
 from .rope import RotaryEmbedding, apply_rope, neox_channel_order
 from .vocab import load_token_counts, save_token_counts
@@ -131,7 +131,7 @@ class DFlashAttention(nn.Module):
         # SmolLM2-135M's drafter, 16 queries over 512 + 16 columns of which 350 visible, 2-core Zen 4 EPYC: 190-210
         # us against 290-350.
         if not torch.is_grad_enabled() and kernel_serves(self, q, mask, q_len):
-            out = cpu_attention.short_attention(q, k, v, mask, self.head_dim**-0.5)  # [b, q, heads, d]
+            out = attention_cpp.short_attention(q, k, v, mask, self.head_dim**-0.5)  # [b, q, heads, d]
             return self.o_proj(out.reshape(b, q_len, -1))
         groups = self.num_heads // self.num_kv_heads
         if groups > 1:
@@ -389,7 +389,7 @@ class DFlashDraftModel(nn.Module):
         and logits [1, n, V]. v1: each slot from its processed draft distribution (the request's temperature, top-k,
         top-p); DFlash2: the selector's walk, each step drawn from softmax(scores / T) over its candidates (as
         z-lab's sampler). `uniforms` [n]: one per slot."""
-        from ..engine.sampling import inverse_cdf_sample, target_probs
+        from ..sampling import inverse_cdf_sample, target_probs
 
         if self.candidate_selector is None:
             q = target_probs(logits[0], params)

@@ -6,25 +6,25 @@ costs.py), corrected online by the step times observed."""
 from __future__ import annotations
 
 import functools
-import math
 import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..drafter.model import PAD_POSITION, DFlashDraftModel, DraftContextCache
-from ..kernels.compiled import options_key
-from ..kernels.compiled_draft import draft_block_pass, draft_context_pass, draft_head
+from ..kernels.static_buffers import CAPACITY_STEP
+from ..sampling import DRAFT_STREAM, position_uniforms
+from ..targets.capabilities import uses_static_cache
 from ..targets.target import Target
 from .calibration import JUMP_FORWARD_MAX_TOKENS, calibration_for
+from .compiled import options_key
+from .compiled_draft import draft_block_pass, draft_context_pass, draft_head
 from .costs import CostModel, ObservedCosts
 from .grammar import steer_drafts
-from .kv_cache import CAPACITY_STEP, uses_static_cache
 from .lookup import LookupIndex
-from .policy import expected_tokens
+from .policy import BatchPolicy, expected_tokens, extended
 from .proposers import BatchProposer, DFlashProposer, Paths
 from .request import GenerationError
-from .sampling import DRAFT_STREAM, position_uniforms
 from .tree import (
     DraftTree,
     add_branch,
@@ -43,19 +43,6 @@ if TYPE_CHECKING:
 # "match": deterministic (greedy) drafts accepted where they equal the target's seed-keyed sample (seed-exact);
 # "pq": at T > 0, drafts sampled from the drafter's distribution and verified by speculative sampling.
 DRAFT_SAMPLING = ("match", "pq")
-MAX_SKIP_STEPS, BATCH_MAX_SKIP_STEPS = 32, 128  # one row, several rows
-# When drafting does not pay, a probe loses time against a plain step (its draft pass, mostly: for 16 rows it costs
-# more than their plain step): probes come rarely enough that they lose at most this share of the steps between.
-# One row's pass is cheap and its text turns predictable again often; several rows' passes cost 2-3 plain steps
-# (16 rows of SmolLM2-135M on a 2-core Xeon: about 30 ms against 10), and at 16 rows probes every 30 steps cost
-# 8 % of the time, where drafting never paid (benchmarks/README.md, 2026-12-06).
-PROBE_SHARE = 0.1
-BATCH_PROBE_SHARE = 0.03
-# Several rows speculate only where they are expected to beat plain steps by this factor (one row: by any margin).
-# A batch's speculation is chosen on the rows' most hopeful estimates, and at 8 rows a verify of 2 tokens each costs
-# about 1.5 plain steps: served at 8 requests at once, single drafts accepted 43 % of the time (the policy expected
-# over half) made DFlash 0.82x plain decoding (w8a16, a 2-core Emerald Rapids Xeon, benchmarks/README.md).
-BATCH_MARGIN = 1.1
 # The drafter's LM head covers first the slots whose verify costs at most this many plain steps (`_first_slots`).
 LAZY_HEAD_PRICE = 2.0
 # Draft trees: candidates kept per block slot (the drafter's own draft and the slot's next most likely tokens).
@@ -167,10 +154,6 @@ class BatchedDFlashProposer(BatchProposer):
         self._last: list[tuple[str, torch.Tensor] | None] = []
         self._q: list[torch.Tensor | None] = []  # per row: the sampled drafts' distributions of this step
         self._drafted_q: list[torch.Tensor | None] = []  # per row: those of the last draft pass
-        self.draft_rate: float | None = None  # the batch's expected tokens/s when drafting (EMA)
-        self.skip_steps = 0
-        self.skip_left = 0
-        self.skip_rows = 0  # the rows of the batch that chose to skip
         # whether a draft pass of one row, of several rows, has run with this drafter and compile options (their
         # graphs made): kept on the drafter as its graphs are, so a new proposer (a new batch) does not pay for a
         # pass the rates do not ask for
@@ -178,6 +161,9 @@ class BatchedDFlashProposer(BatchProposer):
         self.passes_made: set[bool] = made.setdefault(options_key(target.compile_options), set())
         # the cost model corrected by the step times observed (`online_costs=False`: by `costs` alone)
         self.prices = None if costs is None else ObservedCosts(costs, online_costs)
+        self.policy = BatchPolicy(
+            self.prices
+        )  # whether to draft, and the verify length (a fixed block: unused)
         if tree is not None and tree < 1:
             raise ValueError(f"a draft tree needs at least one node, got {tree}")
         # Draft trees (tree.py): why this target verifies chains only, if it does (said once by --verbose).
@@ -188,6 +174,14 @@ class BatchedDFlashProposer(BatchProposer):
         self._pass: tuple[torch.Tensor, torch.Tensor] | None = None  # the last pass's hidden, anchors
         self._trees: list[DraftTree | None] = []  # per row: its last proposal as a tree (None: a chain)
         self.tree_steps: list[int] = []  # per row: how many of its steps verified a tree
+
+    @property
+    def padded_lengths(self) -> list[int] | None:  # type: ignore[override]
+        return self.policy.padded_lengths
+
+    @padded_lengths.setter
+    def padded_lengths(self, lengths: list[int] | None) -> None:
+        self.policy.padded_lengths = lengths
 
     def _new_cache(self) -> DraftContextCache:
         return DraftContextCache(
@@ -368,9 +362,9 @@ class BatchedDFlashProposer(BatchProposer):
             return None
         b, slots = len(rows), self.max_block_size - 1
         drafts = torch.arange(1, slots + 1)
-        lengths = self._padded(drafts + 1)
+        lengths = self.policy.padded(drafts + 1)
         price = self.prices.verify_s(b, lengths, context)
-        plain = self.costs.verify_s(b * self._padded(torch.ones(1, dtype=torch.long)), context)
+        plain = self.costs.verify_s(b * self.policy.padded(torch.ones(1, dtype=torch.long)), context)
         cheap = (price <= LAZY_HEAD_PRICE * plain * self.prices.ratio(b)).nonzero()
         first = int(cheap[-1]) + 1 if len(cheap) else 1
         return None if first >= slots else first
@@ -429,40 +423,6 @@ class BatchedDFlashProposer(BatchProposer):
                     return "grammar", forced, forced_keys, forced_expected
         return "lookup", proposal, keys, expected
 
-    def _batch_rate(
-        self,
-        expectations: list[torch.Tensor],
-        propose_s: float,
-        context: int,
-        max_n: int,
-        paid_against: float | None = None,
-    ) -> tuple[int, float]:
-        """(shared number of proposals n, expected batch tokens/s) over n = 0..max_n; `expectations[i][k]`: row i's
-        expected tokens when k of its proposals are verified (`expected_tokens`, `DraftTree.expected_tokens`).
-
-        The n of the most tokens per second, proposing included; with `paid_against` (tokens/s), the proposals are
-        paid for already and the steps after this one decode at that rate: the n whose verify gives the most tokens
-        beyond what that rate gives in the same time (0: the anchor alone, a plain step). Where drafting itself
-        beats that rate the two choose alike (the best ratio E(n) / (t_propose + t_verify(n)) also maximises
-        E(n) - ratio * t_verify(n)); where it does not, a verify of 16 rows x 4 tokens that the draft pass seemed to
-        justify costs more than the tokens it adds."""
-        b = len(expectations)
-        expected = [0.0] * (max_n + 1)  # in Python floats: a few short lists, twice a step
-        for e in expectations:
-            values = e.tolist()
-            last = len(values) - 1
-            for k in range(max_n + 1):
-                expected[k] += values[min(k, last)]
-        tokens_per_row = self._padded(torch.arange(1, max_n + 2))
-        seconds = self.prices.verify_s(b, tokens_per_row, context).tolist()
-        rates = [e / (propose_s + s) for e, s in zip(expected, seconds, strict=True)]
-        if paid_against is None:
-            n = max(range(max_n + 1), key=rates.__getitem__)  # the first best, as torch.argmax
-        else:
-            gains = [e - paid_against * s for e, s in zip(expected, seconds, strict=True)]
-            n = max(range(max_n + 1), key=gains.__getitem__)
-        return n, rates[n]
-
     @torch.no_grad()
     def propose(self, rows: list[BatchRow], max_drafts: list[int]) -> list[torch.Tensor]:
         b = len(rows)
@@ -489,9 +449,9 @@ class BatchedDFlashProposer(BatchProposer):
 
         context = sum(row.anchor_position for row in rows) // b
         top = max(max_drafts)
-        plain = self._padded(torch.ones(1, dtype=torch.long))
-        plain_rate = b / float(self.prices.verify_s(b, plain, context))
-        bar = plain_rate * (BATCH_MARGIN if b > 1 else 1.0)  # the rate speculating must beat
+        policy = self.policy
+        plain_rate = policy.plain_rate(b, context)
+        bar = policy.bar(b, plain_rate)  # the rate speculating must beat
         # Free proposals (lookup matches, forced text): the rate of verifying them alone, without a draft pass.
         free = [
             self._free_proposal(row, lookup, m)
@@ -499,7 +459,7 @@ class BatchedDFlashProposer(BatchProposer):
         ]
         longest_free = max(len(f[1]) for f in free)
         free_n, free_rate = (
-            self._batch_rate([f[3] for f in free], 0.0, context, min(top, longest_free))
+            policy.batch_rate([f[3] for f in free], 0.0, context, min(top, longest_free))
             if longest_free
             else (0, 0.0)
         )
@@ -509,18 +469,12 @@ class BatchedDFlashProposer(BatchProposer):
         # The first step and the first of several rows draft whatever the rates say: their graphs (compiled) are
         # made there, not in the middle of a later answer (the server's warm-up decodes one row, then two). A lone
         # row after several needs no graph of its own (the several-row graph takes it doubled, compiled_draft.py).
-        probe = self.draft_rate is None or self.draft_rate <= bar
-        # half the rows or fewer since skipping was chosen: drafting may pay again, probe now
-        if self.skip_left and 2 * b <= self.skip_rows:
-            self.skip_left = 0
         first_pass = not self.passes_made or b > 1 and True not in self.passes_made
-        draft_now = top > 0 and (
-            first_pass or self.skip_left == 0 and (probe or self.draft_rate >= free_rate)
-        )
+        draft_now = top > 0 and policy.draft_now(b, bar, free_rate, first_pass)
         self._q = [None] * b
         self._trees = [None] * b
         if not draft_now:
-            self.skip_left = max(0, self.skip_left - 1)
+            policy.skipped()
             use_free = free_n > 0 and free_rate > bar
             out = []
             for i, ((source, proposal, keys, _), m) in enumerate(zip(free, max_drafts, strict=True)):
@@ -542,7 +496,7 @@ class BatchedDFlashProposer(BatchProposer):
         def choose(tokens: torch.Tensor, confidence: torch.Tensor) -> tuple[list, int, float, int]:
             choices = self._choices(rows, max_drafts, tokens, confidence, free)
             longest = max(top, *(len(c[3]) - 1 for c in choices))  # a tree may hold more nodes than its depth
-            return choices, *self._batch_rate([c[3] for c in choices], draft_s, context, longest), longest
+            return choices, *policy.batch_rate([c[3] for c in choices], draft_s, context, longest), longest
 
         choices, n, rate, longest = choose(tokens, confidence)
         if first is not None and top > first:
@@ -550,31 +504,15 @@ class BatchedDFlashProposer(BatchProposer):
             # accepted only after every slot before it, so its chance is at most the last one's), some longer
             # verify beat this choice and plain steps: then the head covers them too and the choice is made again.
             bound = [
-                _extended(c[3], m - first) if c[0] == "dflash" and m > first else c[3]
+                extended(c[3], m - first) if c[0] == "dflash" and m > first else c[3]
                 for c, m in zip(choices, max_drafts, strict=True)
             ]
-            if self._batch_rate(bound, draft_s, context, top)[1] > max(rate, bar):
+            if policy.batch_rate(bound, draft_s, context, top)[1] > max(rate, bar):
                 tokens, confidence = self.draft_more_slots(tokens, confidence)
                 choices, n, rate, longest = choose(tokens.cpu(), confidence.cpu())
-        self.draft_rate = rate if self.draft_rate is None else 0.5 * self.draft_rate + 0.5 * rate
         if rate < bar:  # the pass is paid and plain steps come next: verify only what beats them
-            n = self._batch_rate([c[3] for c in choices], draft_s, context, longest, bar)[0]
-        # Skipping compares with plain steps only: a lookup match is this step's luck, taken whenever it wins, not a
-        # reason to stop drafting.
-        if self.draft_rate > bar:
-            self.skip_steps = self.skip_left = 0
-        else:  # drafting does not pay for this batch right now: lookup or plain steps, then probe again
-            plain_s = b / plain_rate
-            lost_s = (1.0 - self.draft_rate / plain_rate) * (draft_s + plain_s)  # a probe's, about
-            share, most = PROBE_SHARE, MAX_SKIP_STEPS
-            # several rows: the loss is the draft pass at least (the verify after it wins back only what estimates
-            # that failed promise)
-            if b > 1:
-                lost_s, share, most = max(draft_s, lost_s), BATCH_PROBE_SHARE, BATCH_MAX_SKIP_STEPS
-            amortized = math.ceil(lost_s / (share * plain_s))
-            self.skip_steps = min(most, max(1, 2 * self.skip_steps, amortized))
-            self.skip_left = self.skip_steps
-            self.skip_rows = b
+            n = policy.batch_rate([c[3] for c in choices], draft_s, context, longest, bar)[0]
+        policy.drafted(rate, bar, b, draft_s, plain_rate)
         out = []
         for i, (source, toks, k, _, tree) in enumerate(choices):
             self._last[i] = (source, k[:n]) if n else None
@@ -618,13 +556,6 @@ class BatchedDFlashProposer(BatchProposer):
             choices.append(candidate)
         return choices
 
-    def _padded(self, tokens_per_row: torch.Tensor) -> torch.Tensor:
-        """The verify lengths that really run for these proposed ones (their buckets)."""
-        if self.padded_lengths is None:
-            return tokens_per_row
-        table = torch.tensor(self.padded_lengths)
-        return table[(tokens_per_row - 1).clamp(max=len(table) - 1)]
-
     def timed(self, rows: int, tokens_per_row: int, context: int, seconds: float) -> None:
         if self.prices is not None:
             self.prices.verify_timed(rows, tokens_per_row, context, seconds)
@@ -648,13 +579,6 @@ class BatchedDFlashProposer(BatchProposer):
             table = getattr(self.calibration, "draft" if source == "dflash" else source)
             table.update(keys, n, a)
             self._last[i] = None
-
-
-def _extended(expected: torch.Tensor, more: int) -> torch.Tensor:
-    """An upper bound on the expected tokens `expected` [k + 1] (by proposals verified) would reach with `more`
-    further proposals: each accepted with the chance the last one had of being reached and accepted."""
-    last = expected[-1] - expected[-2] if len(expected) > 1 else expected.new_zeros(())
-    return torch.cat([expected, expected[-1] + last * torch.arange(1, more + 1)])
 
 
 __all__ = ["DRAFT_SAMPLING", "BatchedDFlashProposer"]

@@ -33,6 +33,8 @@ class CostModel:
     head_s: dict[str, float] = field(default_factory=dict)  # draft-head time per dtype, for the record
     measured_s: float = 0.0
     key: dict[str, Any] = field(default_factory=dict)
+    # every context of the measurement timed (False: its time budget ran out first, measure.measure_costs)
+    complete: bool = True
 
     def verify_s(self, n: int | torch.Tensor, context: int) -> torch.Tensor:
         """Seconds for a target forward over n tokens after `context` cached ones (n may be a tensor)."""

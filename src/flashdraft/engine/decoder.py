@@ -40,25 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..kernels import attention
-from ..kernels.compiled import verify_forward
-from ..targets.multimodal import as_prompt, check_prompt_inputs
-from ..targets.recurrent import append_rows, has_kv, is_recurrent_layer, select_rows
-from ..targets.target import Target, TargetOutput
-from .grammar import Constraint, RowGrammar, compile_constraint, mask_logits
-from .kv_cache import (
-    VERIFY_BUCKETS,
-    batch_cache,
-    bucket,
-    is_sliding,
-    kv_layers,
-    narrow_width,
-    reserve,
-    set_length,
-    static_mask,
-    uses_static_cache,
-)
-from .request import GenerationError, GenerationResult, check_request
-from .sampling import (
+from ..sampling import (
     ACCEPT_STREAM,
     SamplingParams,
     position_uniforms,
@@ -67,6 +49,23 @@ from .sampling import (
     verify_block_pq,
     verify_greedy_rows,
 )
+from ..targets.capabilities import is_sliding, uses_static_cache
+from ..targets.multimodal import as_prompt, check_prompt_inputs
+from ..targets.recurrent import append_rows, has_kv, is_recurrent_layer, select_rows
+from ..targets.target import Target, TargetOutput
+from .compiled import verify_forward
+from .grammar import Constraint, RowGrammar, compile_constraint, mask_logits
+from .kv_cache import (
+    VERIFY_BUCKETS,
+    batch_cache,
+    bucket,
+    kv_layers,
+    narrow_width,
+    reserve,
+    set_length,
+    static_mask,
+)
+from .request import GenerationError, GenerationResult, check_request
 from .tree import block_layout, depths, tree_refusal, tree_window, verify_tree
 
 if TYPE_CHECKING:

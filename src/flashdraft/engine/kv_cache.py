@@ -1,4 +1,4 @@
-"""The engine's KV cache: the target's KV buffers and the drafter's context cache.
+"""The engine's KV cache: the target's KV buffers (the drafter's context cache is drafter/context_cache.py).
 
 Every KV layer of the engine's cache is a `KVBuffer`, in one of two modes:
 
@@ -26,16 +26,14 @@ before (its length changes every step).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..kernels import attention as short_query
+from ..kernels.static_buffers import CAPACITY_STEP, static_buffer, tagged
 from ..targets.recurrent import has_kv, is_recurrent_layer
 
 VERIFY_BUCKETS = (1, 2, 4, 8, 16, 32)
-CAPACITY_STEP = 256  # static capacities are multiples of this (a new capacity is a new CUDA graph)
 MASK_STEP = 64  # a narrow static mask (attention.narrow_mask) covers a multiple of this many columns
 
 
@@ -79,42 +77,10 @@ class _Columns:
                 if width > static.capacity:
                     raise RuntimeError(f"{width} columns do not fit a static cache of {static.capacity}")
                 if old is None or old.shape[:2] != value.shape[:2]:
-                    old = _static_buffer(value, static.capacity, static.mark_static)
+                    old = static_buffer(value, static.capacity, static.mark_static)
                     setattr(layer, self.buffer, old)
                 old[:, :, :width] = value
         setattr(layer, self.length, value.shape[-2])
-
-
-def symbolic_sizes(t: torch.Tensor | None, *dims: int) -> None:
-    """These sizes of `t` are symbolic from the first compile, so a capacity, a verify length or a number of rows
-    first met mid-answer costs no compile: dynamo would make a size symbolic only after seeing it change, one whole
-    compile later, and on an H100 each such recompile of SmolLM2's verify took 20-50 s in the middle of an answer
-    (benchmarks/smollm2-135m-instruct-gpu/, 2026-11-26). Sizes 1 stay specialised, as dynamo keeps them. On a GPU
-    the CUDA graphs are still recorded per concrete size, which costs a few replays, not a compile."""
-    if t is None:
-        return
-    for dim in dims:
-        if t.shape[dim] > 1:
-            torch._dynamo.maybe_mark_dynamic(t, dim % t.dim())
-
-
-def _static_buffer(like: torch.Tensor, capacity: int, mark_static: bool) -> torch.Tensor:
-    return _tagged(like.new_zeros(like.shape[0], like.shape[1], capacity, like.shape[3]), mark_static)
-
-
-def _tagged(buf: torch.Tensor, mark_static: bool) -> torch.Tensor:
-    if mark_static:  # compiled: symbolic rows and capacity, and a fixed address for CUDA graphs
-        fixed_address(buf)
-        symbolic_sizes(buf, 0, 2)
-    return buf
-
-
-def fixed_address(buf: torch.Tensor) -> None:
-    """Tag a cache buffer as one address that CUDA graphs replay on. Only on a GPU: on a CPU inductor freezes the
-    graph's parameters, and dynamo freezes tensors tagged so with them, a cache's capacity included (a later
-    capacity then failed a frozen size: "expected size 768==256")."""
-    if buf.device.type == "cuda":
-        torch._dynamo.mark_static_address(buf)
 
 
 def kv_buffer_class() -> type:
@@ -196,7 +162,7 @@ def kv_buffer_class() -> type:
                 buf[rows, :, : width - n].zero_()
                 buf[rows, :, width - n : width] = new[0]
                 buf[rows, :, width:].zero_()
-                setattr(self, name, _tagged(buf, self.static.mark_static))
+                setattr(self, name, tagged(buf, self.static.mark_static))
                 setattr(self, length, width)
 
         def keep_static_rows(self, rows: torch.Tensor, columns: torch.Tensor | None) -> None:
@@ -207,14 +173,14 @@ def kv_buffer_class() -> type:
                 if columns is not None:
                     kept[:, :, : columns.numel()] = kept[:, :, columns]
                     setattr(self, length, columns.numel())
-                setattr(self, name, _tagged(kept, self.static.mark_static))
+                setattr(self, name, tagged(kept, self.static.mark_static))
 
         def make_static(self, static: StaticColumns) -> None:
             """Static mode (or a larger capacity): the columns in use move into buffers of `static.capacity`."""
             keys, values = self.keys, self.values
             self.static = static
             for name, t in (("_k", keys), ("_v", values)):
-                buf = _static_buffer(t, static.capacity, static.mark_static)
+                buf = static_buffer(t, static.capacity, static.mark_static)
                 buf[:, :, : t.shape[2]] = t
                 setattr(self, name, buf)
 
@@ -223,152 +189,6 @@ def kv_buffer_class() -> type:
 
 
 _KV_BUFFER: type | None = None
-
-
-# The position of padding in a batched context: later than any anchor, so the mask rule (context < anchor) hides it.
-PAD_POSITION = 1 << 30
-
-
-@dataclass
-class DraftContextCache:
-    """The drafter's per-layer K/V of the fused target context. Grows only with accepted tokens; holds no block K/V.
-
-    Growing (`capacity` None): the columns in use, grown into room kept at the end of a buffer (as `KVBuffer`).
-    Static (`capacity`, beside a static target cache): buffers of `capacity` columns whose positions past `length`
-    are PAD_POSITION (hidden by the mask rule), so the block pass over them has one shape per (rows, capacity) and
-    can be compiled; the new context is written in eagerly before it."""
-
-    keys: list[torch.Tensor | None] = field(default_factory=list)
-    values: list[torch.Tensor | None] = field(default_factory=list)
-    positions: torch.Tensor | None = None  # [b, c] absolute positions of the cached context
-    # Batched decoding pads rows to a common length with positions no anchor reaches (PAD_POSITION); attention must
-    # then go through the position mask instead of the one-block fast path.
-    ragged: bool = False
-    capacity: int | None = None
-    length: int = 0  # static: the columns in use
-    mark_static: bool = False  # static buffers tagged as fixed addresses (CUDA graphs replay on them)
-    # Growing: per layer, the buffers keys[i] / values[i] are the first columns of (a tensor assigned from outside,
-    # as rows joining or leaving do, starts a new one).
-    _room: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
-    _start: int = 0  # static: where the context being written goes
-
-    def __len__(self) -> int:
-        if self.capacity is not None:
-            return self.length
-        return 0 if self.positions is None else self.positions.shape[1]
-
-    @property
-    def needs_mask(self) -> bool:
-        return self.ragged or self.capacity is not None
-
-    def append(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None
-    ) -> None:
-        """Layer `layer`'s context grows by k / v [b, heads, n, d] (layer 0 brings their `positions` [b, n]):
-        written in place, no copy of what is cached (but once every ~quarter of its length, when room runs out)."""
-        if self.capacity is not None:
-            return self._append_static(layer, k, v, positions)
-        if positions is not None:
-            self.positions = (
-                positions if self.positions is None else torch.cat([self.positions, positions], 1)
-            )
-        if len(self.keys) <= layer:
-            self.keys.append(k)
-            self.values.append(v)
-            return
-        old_k, old_v = self.keys[layer], self.values[layer]
-        cached, need = old_k.shape[2], old_k.shape[2] + k.shape[2]
-        room = self._room.get(layer)
-        if room is None or not all(
-            buf.shape[2] >= need and buf.data_ptr() == old.data_ptr() and buf.stride() == old.stride()
-            and buf.shape[:2] == old.shape[:2]
-            for buf, old in zip(room, (old_k, old_v), strict=True)
-        ):  # fmt: skip
-            size = need + max(64, need // 4)
-            room = tuple(old.new_empty(*old.shape[:2], size, old.shape[3]) for old in (old_k, old_v))
-            for buf, old in zip(room, (old_k, old_v), strict=True):
-                buf[:, :, :cached] = old
-            self._room[layer] = room
-        room[0][:, :, cached:need] = k
-        room[1][:, :, cached:need] = v
-        self.keys[layer], self.values[layer] = room[0][:, :, :need], room[1][:, :, :need]
-
-    def _append_static(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None
-    ) -> None:
-        n = k.shape[2]
-        if positions is not None:  # layer 0: room for the new columns, and their positions
-            self._start = self.length
-            self._grow(self._start + n, positions)
-            self.positions[:, self._start : self._start + n] = positions
-            self.length = self._start + n
-        elif self.positions is None:
-            self._grow(n, torch.empty(k.shape[0], 0, dtype=torch.long, device=k.device))
-        if len(self.keys) <= layer:
-            for name, t in (("keys", k), ("values", v)):
-                getattr(self, name).append(self._buffer(t, self.capacity))
-        self.keys[layer][:, :, self._start : self._start + n] = k
-        self.values[layer][:, :, self._start : self._start + n] = v
-
-    def _grow(self, columns: int, like: torch.Tensor) -> None:
-        if self.positions is not None and columns <= self.capacity:
-            return
-        if columns > self.capacity:
-            self.capacity = -(-int(1.25 * columns) // CAPACITY_STEP) * CAPACITY_STEP
-        old = self.positions
-        self.positions = torch.full(
-            (like.shape[0], self.capacity), PAD_POSITION, dtype=torch.long, device=like.device
-        )
-        if old is not None:
-            self.positions[:, : self.length] = old[:, : self.length]
-        for store in (self.keys, self.values):
-            for i, t in enumerate(store):
-                store[i] = self._buffer(t[:, :, : self.length], self.capacity)
-
-    def _buffer(self, t: torch.Tensor, capacity: int) -> torch.Tensor:
-        buf = t.new_zeros(*t.shape[:2], capacity, t.shape[3])
-        buf[:, :, : t.shape[2]] = t
-        return self._tag(buf)
-
-    def add_row(self) -> None:
-        """A row joins holding nothing yet: all padding."""
-        if self.positions is None:
-            return
-        self.positions = torch.cat([self.positions, torch.full_like(self.positions[:1], PAD_POSITION)])
-        for store in (self.keys, self.values):
-            for i, t in enumerate(store):
-                store[i] = self._tag(torch.cat([t, torch.zeros_like(t[:1])]))
-
-    def select_rows(self, index: list[int]) -> None:
-        """Only these rows stay, in this order."""
-        if self.positions is None:
-            return
-        idx = torch.tensor(index, dtype=torch.long, device=self.positions.device)
-        self.positions = self.positions[idx]
-        for store in (self.keys, self.values):
-            for i, t in enumerate(store):
-                store[i] = self._tag(t[idx])
-
-    def _tag(self, buf: torch.Tensor) -> torch.Tensor:
-        if (
-            self.mark_static and self.capacity is not None
-        ):  # as the target's static buffers (`_static_buffer`)
-            fixed_address(buf)
-            symbolic_sizes(buf, 0, 2)
-        return buf
-
-    def keep_columns(self, order: torch.Tensor) -> None:
-        """Keep, per row, the columns `order` [b, w] lists (in that order): compaction."""
-        self.positions = torch.gather(self.positions, 1, order)
-        idx = order[:, None, :, None]
-        for store in (self.keys, self.values):
-            for i, t in enumerate(store):
-                store[i] = torch.gather(t, 2, idx.expand(-1, t.shape[1], -1, t.shape[3]))
-        if self.capacity is not None:  # back to full width, the rest padding
-            self.length = order.shape[1]
-            positions, self.positions = self.positions, None
-            self._grow(self.length, positions)
-            self.positions[:, : self.length] = positions
 
 
 def batch_cache(target: Any) -> Any:
@@ -390,52 +210,6 @@ def batch_cache(target: Any) -> Any:
 
 def kv_layers(cache: Any) -> list[Any]:
     return [layer for layer in cache.layers if has_kv(layer)]
-
-
-def is_sliding(target: Any) -> bool:
-    cfg = target.config
-    types = getattr(cfg, "layer_types", None) or []
-    return bool(getattr(cfg, "sliding_window", None)) and (
-        not types or any("sliding" in str(t) for t in types) or getattr(cfg, "use_sliding_window", True)
-    )
-
-
-# Families whose attention takes the engine's [b, 1, n, capacity] mask as given, checked token for token against plain
-# decoding (tests/test_static_cache.py). Others (ALiBi, custom masks) keep the growing cache: exact, just eager.
-STATIC_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
-
-
-def static_refusal(target: Any) -> str | None:
-    """Why the static mode cannot serve this target (None: it can)."""
-    if target.recurrent is not None:
-        return "recurrent layers"
-    if is_sliding(target):
-        return "sliding-window attention"
-    family = getattr(target.config, "model_type", None)
-    if family not in STATIC_FAMILIES:
-        return f"a model family ({family}) the static cache is not verified on (it serves {', '.join(STATIC_FAMILIES)})"
-    return mask_refusal(target)
-
-
-def mask_refusal(target: Any) -> str | None:
-    """Why the target's attention cannot take a mask the engine builds (None: it takes it as given)."""
-    attention = getattr(target.model.config, "_attn_implementation", None)
-    if attention not in (None, "sdpa", "eager", short_query.NAME):
-        return f"{attention} attention, which does not take the engine's mask"
-    return None
-
-
-def static_capable(target: Any) -> bool:
-    """Whether the static mode serves this target: an attention-only family verified on it, no sliding window,
-    attention that takes an explicit mask."""
-    return static_refusal(target) is None
-
-
-def uses_static_cache(target: Any) -> bool:
-    """Whether the engine verifies on `target` through the static cache: `target.static_cache`, by default on a GPU,
-    where the target allows it."""
-    wanted = target.device.type == "cuda" if target.static_cache is None else target.static_cache
-    return bool(wanted) and static_capable(target)
 
 
 def reserve(cache: Any, columns: int, mark_static: bool = False) -> StaticColumns:

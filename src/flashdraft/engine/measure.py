@@ -12,7 +12,6 @@ import functools
 import hashlib
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 from ..drafter.vocab import drafter_vocabulary, vocabulary_key
 from ..files import atomic_write_text
 from ..kernels import attention as short_query
+from ..kernels.cpu_info import cpu_name  # noqa: F401 - what a price list is cached under (benchmarks read it here)
 from ..kernels.packed_linear import PackedLinear, is_packed
 from ..kernels.quantize import Fp16Linear, Int8Linear
 from .costs import CostModel
@@ -33,6 +33,10 @@ VERIFY_LENGTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 BATCH_TOKENS = (32, 64, 128)
 DRAFT_BATCH_ROWS = 4
 CONTEXTS = (64, 512)
+# Seconds a price list's measurement may take before it stops at the contexts it has (`measure_costs`): on a quiet
+# 2-core CPU SmolLM2-135M's took 32 s; on a busy one (a build beside it) over 4 minutes, before a server answered.
+# `$FLASHDRAFT_PRICE_BUDGET_S` sets another.
+PRICE_BUDGET_S = 60.0
 COST_MODEL_VERSION = 8  # 3: the machine named with its vector extensions (cpu_name); 4: beside a static
 # cache the draft pass is timed through the engine's own proposer (its compiled block pass, if compiled); 5: the
 # draft head's price per slot (draft_slot_s); 6: on a CPU in fp32 the static verify reads only the columns in use
@@ -50,39 +54,10 @@ def cost_cache_dir() -> Path:
     return flashdraft_home() / "costs"
 
 
-# The vector extensions CPU kernels dispatch on: one model name covers CPUs with and without them (an "AMD EPYC" with
-# avx512_bf16, and one with avx2 only, price a bf16 step 2x apart).
-CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
-
-
-def cpu_name() -> str:
-    """The CPU's model name with its family / model and vector extensions, e.g. "AMD EPYC (family 25 model 1;
-    avx2)": what a timing is recorded and a price list cached under."""
-    name, fields, flags = None, {}, set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key, value = key.strip(), value.strip()
-            if key == "model name" and name is None:
-                name = value
-            elif key in ("cpu family", "model") and key not in fields:
-                fields[key] = value
-            elif key == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    name = name or platform.processor() or platform.machine()
-    if not fields and not flags:
-        return name
-    where = f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
-    features = ", ".join(f for f in CPU_FEATURES if f in flags) or "no avx2"
-    return f"{name} ({where}; {features})"
-
-
 def cost_key(target: Any, draft: Any) -> dict[str, Any]:
     """What the timings depend on: machine, threads, library versions, model shapes and dtypes."""
-    from ..kernels.compiled import kernels_tag, options_key
-    from .kv_cache import uses_static_cache
+    from ..targets.capabilities import uses_static_cache
+    from .compiled import kernels_tag, options_key
 
     device = target.device
     verify = {}
@@ -137,10 +112,10 @@ def load_or_measure_costs(target: Any, draft: Any, cache: bool = True, log: Any 
             pass  # a damaged cache entry is measured again
     if log:
         log("measuring verify and draft costs on this machine (once per model, dtype and thread count)…")
-    model = measure_costs(target, draft)
+    model = measure_costs(target, draft, log=log)
     model.key = key
     _MEMORY[digest] = model
-    if cache:
+    if cache and model.complete:  # one cut short by its budget (a busy machine) is measured again next time
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(path, json.dumps(model.to_dict(), indent=2) + "\n")
@@ -196,13 +171,27 @@ def measure_costs(
     contexts: tuple[int, ...] = CONTEXTS,
     repeats: int = 3,
     batch_tokens: tuple[int, ...] = BATCH_TOKENS,
+    budget_s: float | None = None,
+    log: Any = None,
 ) -> CostModel:
-    """Time the target's verify (with the drafter's layer taps, as in decoding) and the draft pass."""
-    from .kv_cache import VERIFY_BUCKETS, uses_static_cache
+    """Time the target's verify (with the drafter's layer taps, as in decoding) and the draft pass, saying how far it
+    is (`log`). Bounded in time whatever the machine's load: past half of `budget_s` (PRICE_BUDGET_S, or
+    `$FLASHDRAFT_PRICE_BUDGET_S`) each price is timed once, not `repeats` times; past all of it, the contexts left are
+    not measured and the price list does not grow with the context (`complete` False: it is not cached)."""
+    from ..targets.capabilities import uses_static_cache
+    from .kv_cache import VERIFY_BUCKETS
     from .proposers import DFlashProposer
 
     target.check_decodable()
     t_start = time.perf_counter()
+    budget = (
+        float(os.environ.get("FLASHDRAFT_PRICE_BUDGET_S", PRICE_BUDGET_S)) if budget_s is None else budget_s
+    )
+
+    def say(what: str) -> None:
+        if log:
+            log(f"  prices: {what} ({time.perf_counter() - t_start:.0f} s of at most ~{budget:.0f})")
+
     block = draft.config.block_size
     static = uses_static_cache(target)
     if static:  # the engine pads verifies to buckets there: those lengths are all that run (one graph each)
@@ -242,7 +231,13 @@ def measure_costs(
     draft_times: list[float] = []
     slot_s: float | None = None
     proposer = None if static else DFlashProposer(draft, target, dtype=getattr(torch, draft_dtype))
-    for c in contexts:
+    for i, c in enumerate(contexts):
+        spent = time.perf_counter() - t_start
+        if i and spent > budget:
+            say(f"budget spent: {len(contexts) - i} of {len(contexts)} contexts left unmeasured")
+            break
+        if spent > budget / 2:
+            repeats = 1  # the rest timed once each
         if static:
             # The engine's own forwards over its static caches (compiled, if it is): the verify, and the draft pass
             # over its static context (the eager proposer's would overprice it beside a graphed verify: 2.4 ms
@@ -284,7 +279,9 @@ def measure_costs(
                 median_seconds(lambda k=k, h=head, x=hidden: h(x[:k]), repeats) for k in (block - 1, 1)
             )
             slot_s = max(0.0, (full - one) / max(1, block - 2))
-    c0, c1 = contexts[0], contexts[-1]
+        say(f"verify of {lengths[0]}-{lengths[-1]} tokens and a draft pass after {c} tokens of context")
+    measured = contexts[: len(per_context)]
+    c0, c1 = measured[0], measured[-1]
     span = max(c1 - c0, 1)
     one_row, many_rows = (
         _measure_draft_rows(target, draft, ids[:, :c0], draft_dtype, rows, repeats)
@@ -299,7 +296,8 @@ def measure_costs(
     ]
     base = [a - s * c0 for a, s in zip(per_context[0], slope, strict=True)]
     d_slope = min(max(0.0, (draft_times[-1] - draft_times[0]) / span), draft_times[0] / (2 * max(c0, 1)))
-    return CostModel(
+    say(f"draft passes of 1 and {DRAFT_BATCH_ROWS} rows")
+    model = CostModel(
         lengths=list(lengths),
         verify_base=base,
         verify_slope=slope,
@@ -311,6 +309,8 @@ def measure_costs(
         head_s=head_s,
         measured_s=time.perf_counter() - t_start,
     )
+    model.complete = len(measured) == len(contexts)
+    return model
 
 
 def static_decoder(
@@ -318,9 +318,9 @@ def static_decoder(
 ) -> Any:
     """An engine (and its batched DFlash proposer) holding `rows` rows of `prompt`, joined with real prefills:
     what the verify and the draft pass are timed on (its caches are static where the engine's are)."""
+    from ..sampling import SamplingParams
     from .batched_dflash import BatchedDFlashProposer
     from .decoder import BatchDecoder
-    from .sampling import SamplingParams
 
     dtype = None if dtype is None else getattr(torch, dtype)
     decoder = BatchDecoder(

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from .kv_cache import is_sliding, mask_refusal
-from .sampling import SamplingParams, check_finite, inverse_cdf_sample, target_probs
+from ..sampling import SamplingParams, check_finite, inverse_cdf_sample, target_probs
+from ..targets.capabilities import is_sliding, mask_refusal
 
 
 @dataclass

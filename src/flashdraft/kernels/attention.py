@@ -45,13 +45,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import attention_cpp as cpu_attention
+from . import attention_cpp
 
 # Not "flashdraft": transformers takes every implementation whose name contains "flash" for flash attention
 # (`is_flash_attention_requested`), and refuses to build a model from such a config without a flash kernel.
 NAME = "short_query"
 SHORT_QUERY = 64  # queries up to this many tokens per row take the short-query path
-KERNEL_DTYPES = (torch.bfloat16,)  # dtypes whose short queries run cpu_attention's kernel (where it builds)
+KERNEL_DTYPES = (torch.bfloat16,)  # dtypes whose short queries run attention_cpp's kernel (where it builds)
 _UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias")
 
 
@@ -90,7 +90,7 @@ def short_query_attention(
     scale = d**-0.5 if scaling is None else scaling
     if kernel_serves(module, query, attention_mask, n):
         mask = None if attention_mask is None else _last_contiguous(attention_mask[..., :length])
-        out = cpu_attention.short_attention(
+        out = attention_cpp.short_attention(
             query, _last_contiguous(key), _last_contiguous(value), mask, scale
         )
         return out, None
@@ -115,7 +115,7 @@ def short_query_attention(
 
 
 def kernel_serves(module: torch.nn.Module, query: torch.Tensor, mask: torch.Tensor | None, n: int) -> bool:
-    """Whether cpu_attention's kernel (built for this dtype) takes the call: a mask it reads (bool or added in the
+    """Whether attention_cpp's kernel (built for this dtype) takes the call: a mask it reads (bool or added in the
     query's dtype, 4-D), or none with causal queries (or one query)."""
     if query.device.type != "cpu" or not kernel_ready(query.dtype):
         return False
@@ -125,8 +125,8 @@ def kernel_serves(module: torch.nn.Module, query: torch.Tensor, mask: torch.Tens
 
 
 def kernel_ready(dtype: torch.dtype) -> bool:
-    """Whether short queries in `dtype` run cpu_attention's kernel: a dtype of KERNEL_DTYPES, its kernel built."""
-    return dtype in KERNEL_DTYPES and cpu_attention.ready(dtype)
+    """Whether short queries in `dtype` run attention_cpp's kernel: a dtype of KERNEL_DTYPES, its kernel built."""
+    return dtype in KERNEL_DTYPES and attention_cpp.ready(dtype)
 
 
 def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -140,7 +140,7 @@ def narrow_mask(model: torch.nn.Module, device: torch.device, dtype: torch.dtype
     µs a layer at 256 / 512 / 1,024 columns, one thread, 2-core AMD EPYC), and a static capacity runs up to twice
     the columns in use.
     On a CPU in fp32, whose products' summation order follows the width (a token's bits can change with it; fp32's
-    verify is not batch-invariant anyway: benchmarks/README.md), and in a dtype cpu_attention's kernel serves, whose
+    verify is not batch-invariant anyway: benchmarks/README.md), and in a dtype attention_cpp's kernel serves, whose
     bits do not depend on the width; not in the other dtypes, which keep one width per capacity for the bits they
     claim, and not on a GPU, where a fixed width is what a CUDA graph replays."""
     attention = getattr(model.config, "_attn_implementation", None)
@@ -176,10 +176,10 @@ def wanted(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, com
 
 def use(model: torch.nn.Module, dtype: torch.dtype | None = None) -> None:
     """Switch `model` (its sub-configs too) to the short-query attention; in a `dtype` of KERNEL_DTYPES, build
-    cpu_attention's kernel for it now (before anything is traced)."""
+    attention_cpp's kernel for it now (before anything is traced)."""
     register()
     if dtype in KERNEL_DTYPES:
-        cpu_attention.prepare(dtype)
+        attention_cpp.prepare(dtype)
     for config in _configs(model.config):
         if getattr(config, "_attn_implementation", None) == "sdpa":
             config._attn_implementation = NAME

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from . import cpp_build
+
 # The pair kernel's register block: 8 rows x 48 columns (24 fp32 accumulators, 3 weight vectors and a broadcast row
 # of avx512's 32 registers); the widening kernel's 4 x 48. On a Zen 4 EPYC, SmolLM2's decoder linears at 8 / 16 rows:
 # bf16 7.3 / 10.6 ms against 8.2 / 11.4 with 4 x 48 blocks, int8 5.8 / 9.9 against 8.3 / 14.4, one row alike
@@ -41,21 +43,57 @@ INT8_TABLES_ROWS = 4
 BF16_WIDENING_BLOCK = (4, 48, 1)
 
 
+# The torch releases (major.minor) whose inductor internals the edits below are made for, and the suite runs on: on
+# another, nothing is edited, and the compiled paths that rely on the edits decode eagerly, saying why
+# (`untested_torch`), rather than compile with kernels whose rows are not held to one summation order.
+TESTED_TORCH = ("2.13",)
+_MISSING: list[
+    str
+] = []  # what of inductor's internals was not where the edits expect it (registration's finding)
+
+
+def _release() -> str:
+    return ".".join(torch.__version__.split("+")[0].split(".")[:2])
+
+
+def untested_gemm_kernels(dtype: torch.dtype, quantize: str | None) -> str | None:
+    """Why a CPU target of this dtype and quantization cannot compile with its rows held to one summation order on
+    this torch (None: it can, or it does not need the edits: fp32, w8a8's and w8a16's own kernels)."""
+    if quantize == "int8" or quantize is None and dtype == torch.bfloat16:
+        return untested_torch()
+    return None
+
+
+def untested_torch() -> str | None:
+    """Why the table edits do not serve on this torch (None: they do): a release they were not tested with, or
+    inductor's micro-kernel table not where they expect it."""
+    release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    if release not in TESTED_TORCH:
+        return f"flashdraft's CPU GEMM kernels are tested with torch {', '.join(TESTED_TORCH)}, not {torch.__version__}"
+    register_cpu_gemm_kernels()
+    if _MISSING:
+        return f"inductor's micro-kernel table is not where torch {TESTED_TORCH[0]} keeps it ({_MISSING[0]})"
+    return None
+
+
 def register_cpu_gemm_kernels(without: frozenset[str] = frozenset()) -> None:
     """Once per process: the table edits above, but those named in `without` ("fp32-int8", "amx", "bf16-pairs",
-    "bf16-four-rows", "int8-whole-k": benchmarks compare with inductor's own, or the pair kernel with AMX). On another
-    torch (no such table) nothing changes."""
+    "bf16-four-rows", "int8-whole-k": benchmarks compare with inductor's own, or the pair kernel with AMX). On a torch
+    they are not tested with, or without such a table, nothing changes (`untested_torch` says so)."""
     if getattr(register_cpu_gemm_kernels, "done", False):
         return
     register_cpu_gemm_kernels.done = True
     register_cpu_gemm_kernels.without = without  # in compiled.kernels_tag: the graphs cached under it
+    if _release() not in TESTED_TORCH:
+        return
     try:
         import torch._inductor.lowering  # noqa: F401 - before codegen: inductor's modules import in this order
         from torch._inductor.codegen import cpp_micro_gemm as micro
         from torch._inductor.cpu_vec_isa import VecAVX2, VecAVX512, pick_vec_isa
 
         configs = micro.micro_gemm_configs[micro.CppMicroGemmFP32Vec]
-    except (ImportError, AttributeError, KeyError):
+    except (ImportError, AttributeError, KeyError) as e:
+        _MISSING.append(f"{type(e).__name__}: {e}")
         return
     isa = pick_vec_isa()
     amx = getattr(micro, "CppMicroGemmAMX", None) in micro.micro_gemm_configs and isinstance(
@@ -294,139 +332,9 @@ def _bf16_dot_class(micro: Any) -> type:
         An output's sum runs over k in pairs, in order, in one lane, from C when accumulating (the template's later
         k blocks), so its bits depend on neither the register block nor the rows beside it."""
 
-        TEMPLATE_KERNEL = r"""
-template <int64_t BLOCK_M, int64_t BLOCK_N, bool accum>
-inline void {{kernel_name}}_kernel(
-    const {{input_t}}* {{restrict_keyword}} A,
-    const {{input2_t}}* {{restrict_keyword}} B,
-    {{output_t}}* {{restrict_keyword}} C,
-    int64_t K,
-    int64_t lda,
-    int64_t ldb,
-    int64_t ldc
-) {
-    constexpr int COLS = BLOCK_N / 16;
-    __m512 vc[BLOCK_M * COLS];
-    __m512i vb[COLS];
-    __m512i va;
-{%- if input2_dtype == torch.int8 %}
-#if defined(__AVX512VBMI__)
-    constexpr bool LOOKUP = BLOCK_M <= {{int8_tables}};
-    // int8 -> bf16 by table: the high and the low byte of bf16(m) for m = |w| in 0..127 (two registers a table,
-    // vpermi2b reads an index's low 7 bits), the sign put back from w; -128 does not occur (quantize.Int8Linear)
-    alignas(64) static const uint8_t TABLES[256] = {
-{%- for m in range(128) %}{{ int8_bf16_high[m] }},{% endfor %}
-{%- for m in range(128) %}{{ int8_bf16_low[m] }},{% endfor %}
-    };
-    const __m512i high0 = _mm512_load_si512(TABLES), high1 = _mm512_load_si512(TABLES + 64);
-    const __m512i low0 = _mm512_load_si512(TABLES + 128), low1 = _mm512_load_si512(TABLES + 192);
-    const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
-    // 64 weights (two vectors' pairs): after the byte unpacks, which work within 128-bit lanes, the first vector
-    // holds the words of bytes 0..31 and the second those of 32..63 only if the 8-byte groups come in this order
-    const __m512i whole = _mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7);
-    const __m512i half = _mm512_setr_epi64(0, 0, 1, 1, 2, 2, 3, 3);  // 32 weights (one vector's)
-    auto to_bf16 = [&](__m512i w, __m512i& first, __m512i* second) {
-        const __m512i m = _mm512_abs_epi8(w);
-        const __m512i high = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(high0, m, high1), w, sign, 0xF8);
-        const __m512i low = _mm512_permutex2var_epi8(low0, m, low1);
-        first = _mm512_unpacklo_epi8(low, high);
-        if (second != nullptr) *second = _mm512_unpackhi_epi8(low, high);
-    };
-#else
-    constexpr bool LOOKUP = false;  // no byte permutes (avx512_vbmi) on this CPU
-#endif
-{%- endif %}
-    c10::ForcedUnroll<BLOCK_M * COLS>{}([&](auto i) {
-        constexpr int row = i / COLS;
-        constexpr int col = i % COLS;
-        if constexpr (accum) {
-            vc[i] = _mm512_loadu_ps(C + row * ldc + col * 16);
-        } else {
-            vc[i] = _mm512_setzero_ps();
-        }
-    });
-    // B in pairs of k: the pair (k, k + 1) of column n at B + k * ldb + 2 * n
-    auto step = [&](auto i, int64_t k) {
-        constexpr int row = i / COLS;
-        constexpr int col = i % COLS;
-        if constexpr (col == 0) {
-            int32_t pair;
-            std::memcpy(&pair, A + row * lda + k, sizeof(pair));
-            va = _mm512_set1_epi32(pair);
-        }
-        if constexpr (row == 0) {
-{%- if input2_dtype == torch.int8 %}
-            // int8 weights, each exactly a bf16. Up to INT8_TABLES_ROWS rows by the tables, 64 at a time (two vectors),
-            // 32 for a last odd one; more rows, whose products keep the vector units busy, by conversion (fewer
-            // shuffles): sign-extended to int32, to fp32, to bf16
-            const int8_t* w = B + k * ldb + col * 32;
-#if defined(__AVX512VBMI__)
-            if constexpr (LOOKUP && col % 2 == 0 && col + 1 < COLS) {
-                to_bf16(_mm512_permutexvar_epi64(whole, _mm512_loadu_si512(w)), vb[col], &vb[col + 1]);
-            } else if constexpr (LOOKUP && col % 2 == 0) {
-                const __m512i w32 = _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
-                to_bf16(_mm512_permutexvar_epi64(half, w32), vb[col], nullptr);
-            }
-#endif
-            if constexpr (!LOOKUP) {
-                const __m256i b8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-                const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b8)));
-                const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b8, 1)));
-                vb[col] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-            }
-{%- else %}
-            vb[col] = _mm512_loadu_si512(reinterpret_cast<const void*>(B + k * ldb + col * 32));
-{%- endif %}
-        }
-        vc[i] = _mm512_dpbf16_ps(vc[i], (__m512bh)va, (__m512bh)vb[col]);
-    };
-    for (int64_t k = 0; k < K; k += 2) {
-        c10::ForcedUnroll<BLOCK_M * COLS>{}(step, k);
-    }
-    c10::ForcedUnroll<BLOCK_M * COLS>{}([&](auto i) {
-        constexpr int row = i / COLS;
-        constexpr int col = i % COLS;
-        _mm512_storeu_ps(C + row * ldc + col * 16, vc[i]);
-    });
-}
-"""
-
-        TEMPLATE_ENTRY = r"""
-{{declare_kernel}} {
-    {{kernel.assert_function}}(N % {{block_n}} == 0, "N must be a multiple of {{block_n}}");
-    {{kernel.assert_function}}(K % 2 == 0, "K must be even");
-{%- if pack_vnni_B_locally %}
-    // B as given ([K, N], ldb): into pairs of k
-    {{template.codegen_allocate_weight_buffer("pairs_B", input2_t, "K * N")}}
-    for (int64_t k = 0; k < K; k += 2) {
-        for (int64_t n = 0; n < N; ++n) {
-            pairs_B[k * N + 2 * n] = B[k * ldb + n];
-            pairs_B[k * N + 2 * n + 1] = B[(k + 1) * ldb + n];
-        }
-    }
-    const {{input2_t}}* b_pairs = pairs_B;
-    const int64_t ldb_pairs = N;
-{%- else %}
-    const {{input2_t}}* b_pairs = B;
-    const int64_t ldb_pairs = ldb;
-{%- endif %}
-    for (int64_t m = 0; m < M; m += {{block_m}}) {
-        const int64_t rows = std::min<int64_t>(M - m, {{block_m}});
-        for (int64_t n = 0; n < N; n += {{block_n}}) {
-            switch (rows) {
-{%- for b in range(block_m, 0, -1) %}
-            case {{b}}:
-                {{kernel_name}}_kernel<{{b}}, {{block_n}}, accum>(
-                    A + m * lda, b_pairs + 2 * n, C + m * ldc + n, K, lda, ldb_pairs, ldc);
-                break;
-{%- endfor %}
-            default:
-                {{kernel.assert_function}}(false, "unsupported row count");
-            }
-        }
-    }
-}
-"""
+        # the micro-kernel and its entry, inductor's Jinja templates of C++ (csrc/)
+        TEMPLATE_KERNEL = cpp_build.source_file("bf16_pairs_micro_kernel.cpp.jinja")
+        TEMPLATE_ENTRY = cpp_build.source_file("bf16_pairs_entry.cpp.jinja")
 
         def codegen_define(self, kernel: Any) -> str:
             options = {

@@ -61,8 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import packed_linear
-from . import w8a16_cpp as cpu_w8a16
+from . import packed_linear, w8a16_cpp
 
 QUANTIZE_SCHEMES = ("int8", "w8a8", "w8a16", "fp16")
 # A prompt's prefill takes an int8 layer through a bf16 GEMM from this many rows (`prefill`): on a 2-core Zen 4 EPYC
@@ -261,7 +260,7 @@ class W8A16Linear(Int8Linear):
         self._prefill_weight: torch.Tensor | None = None
 
     def _hold(self, quantized: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
-        packed, colsums = cpu_w8a16.pack(quantized)
+        packed, colsums = w8a16_cpp.pack(quantized)
         self.register_buffer("packed", packed)
         self.register_buffer("colsums", colsums)
         self.register_buffer("scales", scales.float().contiguous())  # fp32: the kernel's epilogue is fp32
@@ -270,7 +269,7 @@ class W8A16Linear(Int8Linear):
     @property
     def weight_int8(self) -> torch.Tensor:  # type: ignore[override]
         """The int8 weight as [out, in] (a new tensor each call)."""
-        return cpu_w8a16.unpack(self.packed, self.out_features, self.in_features)
+        return w8a16_cpp.unpack(self.packed, self.out_features, self.in_features)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -293,7 +292,7 @@ class W8A16Linear(Int8Linear):
             if self.bias is not None:
                 out = out + self.bias.to(out.dtype)
         else:
-            out = cpu_w8a16.w8a16_linear(rows, self.packed, self.scales, self.colsums, self.bias)
+            out = w8a16_cpp.w8a16_linear(rows, self.packed, self.scales, self.colsums, self.bias)
         return out.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -305,7 +304,7 @@ class W8A16Linear(Int8Linear):
 
 def w8a16_refusal() -> str:
     """The one line that refuses `--quantize w8a16` where its kernel does not serve, naming what the CPU lacks."""
-    lacks = " and ".join(cpu_w8a16.missing_features())
+    lacks = " and ".join(w8a16_cpp.missing_features())
     why = f"this one lacks {lacks}" if lacks else "did not build here (the warning above says why)"
     return (
         f"--quantize w8a16 needs a CPU with avx512_vnni and avx512_bf16 (its integer kernel), which {why}: "
@@ -315,7 +314,7 @@ def w8a16_refusal() -> str:
 
 def w8a16_available() -> bool:
     """w8a16_cpp.py's kernel serves on this CPU (avx512_vnni and avx512_bf16; built on first call)."""
-    return cpu_w8a16.prepare()
+    return w8a16_cpp.prepare()
 
 
 def w8a8_available() -> bool:

@@ -26,8 +26,8 @@ import torch
 from ..engine.decoder import BatchDecoder, BatchRow
 from ..engine.grammar import Constraint
 from ..engine.request import GenerationResult
-from ..engine.sampling import SamplingParams
 from ..generate import batch_proposer
+from ..sampling import SamplingParams
 from ..targets.multimodal import ImagePrompt
 
 log = logging.getLogger(__name__)

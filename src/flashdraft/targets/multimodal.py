@@ -189,8 +189,11 @@ def encode_image_prompt(
 ) -> ImagePrompt:
     """An `ImagePrompt` for text (or chat messages whose content parts place the images) and `images` (as
     `load_image` takes them, in order), through the target's processor and its chat template."""
-    if not target.takes_images or target.processor is None:
+    if not target.takes_images:
         raise ImageError(f"target {target.name} is a text-only model: it cannot take images")
+    if target.processor is None:
+        raise ImageError(f"target {target.name} was loaded without an image processor (it has none saved, or was "
+                         "loaded for text: --images): it cannot take images")  # fmt: skip
     pictures = [load_image(im) for im in images]
     messages = image_messages(prompt, len(pictures), system)
     placed = sum(1 for m in messages for part in m["content"] if part.get("type") in ("image", "image_url"))

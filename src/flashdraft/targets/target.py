@@ -513,11 +513,8 @@ def check_drafter_fits(
         )
     trained_for = (getattr(c, "flashdraft", None) or {}).get("target")
     if (
-        trained_for
-        and target_name
-        and trained_for != target_name
-        and not str(target_name).endswith(trained_for)
-    ):
+        trained_for and target_name and not str(target_name).endswith(trained_for)
+    ):  # the same name ends with itself
         log.info("drafter was trained for %s, target is %s", trained_for, target_name)
 
 
@@ -533,27 +530,20 @@ def check_decodable_config(target_config: Any, target_name: str | None) -> None:
 def check_drafter_fits_config(draft_config: Any, target_config: Any, target_name: str | None) -> None:
     """`check_drafter_fits` from a Hugging Face config of the target (no weights needed)."""
     tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    check_drafter_fits(
-        draft_config, int(tc.hidden_size), int(tc.num_hidden_layers), int(tc.vocab_size), target_name
-    )
+    sizes = int(tc.hidden_size), int(tc.num_hidden_layers), int(tc.vocab_size)
+    check_drafter_fits(draft_config, *sizes, target_name)
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_ALIASES = dict(fp32="float32", float="float32", bf16="bfloat16", fp16="float16", half="float16")
 
 
 def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     """A torch dtype from its name (`float32`, `bfloat16`, `float16`, also `fp32`/`bf16`/`fp16`); None stays None."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
-    aliases = {
-        "fp32": "float32",
-        "bf16": "bfloat16",
-        "fp16": "float16",
-        "half": "float16",
-        "float": "float32",
-    }
     name = str(dtype).strip().lower().removeprefix("torch.")
-    name = aliases.get(name, name)
+    name = DTYPE_ALIASES.get(name, name)
     if name not in DTYPES:
         raise TargetError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     return DTYPES[name]
@@ -629,7 +619,12 @@ def load_target(
             from transformers import AutoProcessor
 
             model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
-            processor = AutoProcessor.from_pretrained(path)
+            try:
+                processor = AutoProcessor.from_pretrained(path)
+            except (OSError, ValueError):
+                if images:
+                    raise
+                processor = None  # the processor is for images: text prompts need the tokenizer alone
             tokenizer = getattr(processor, "tokenizer", None) or AutoTokenizer.from_pretrained(path)
         else:
             tokenizer = AutoTokenizer.from_pretrained(path)

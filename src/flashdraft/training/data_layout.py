@@ -50,7 +50,7 @@ class DataError(ValueError):
 
 
 def package_version() -> str:
-    from .. import __version__
+    from .._version import __version__
 
     return __version__
 

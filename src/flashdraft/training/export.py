@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import platform
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 import torch
 
 from ..drafter.model import DFlashDraftModel
+from ..kernels.cpu_info import cpu_model_name
 from ..progress import progress_bar
 from ..targets.target import Target
 
@@ -18,14 +18,7 @@ from ..targets.target import Target
 def machine_description(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model_name()
     n = torch.get_num_threads()
     return f"{cpu}, {n} thread{'s' if n != 1 else ''} (CPU)"
 

@@ -190,7 +190,7 @@ class Trainer:
             )
         self.draft = draft.to(self.device).float().train()
         if config.compile:
-            from ..kernels.compiled import compile_options, fresh_options
+            from ..engine.compiled import compile_options, fresh_options
 
             options = compile_options(self.device, training=True)  # no CUDA graphs, nothing frozen:
             for layer in self.draft.layers:  # shapes change with every micro-batch

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..engine.kv_cache import symbolic_sizes
+from ..kernels.static_buffers import symbolic_sizes
 from .compiled import compile_whole, fresh, options_key, run_compiled
 
 
@@ -129,7 +129,7 @@ def draft_head(
         return None
     from ..drafter.model import draft_logits, scale_draft_logits
     from ..drafter.vocab import expand_logits, vocabulary_key
-    from ..engine.tree import top_candidates
+    from .tree import top_candidates
 
     scaling = (config.output_multiplier, config.final_logit_softcapping)
     precision = weight.dtype if module is None else (type(module).__name__, module.compute_dtype)

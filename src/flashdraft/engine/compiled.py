@@ -24,7 +24,7 @@ position inside a graph) and gives it torch.compile's options for its device:
          it against ATen's GEMM: a timing's choice differed between graphs, and so did bf16 bits. Frozen, the packed
          weights are held beside the model's own (the eager prefill reads those): up to twice the weights' memory.
 
-The sizes that vary (rows, verify length, capacity) are symbolic from the first compile (`kv_cache.symbolic_sizes`),
+The sizes that vary (rows, verify length, capacity) are symbolic from the first compile (`kernels/static_buffers.symbolic_sizes`),
 so a prompt of another length or a row joining mid-answer costs no compile; on a GPU each new concrete size records
 a CUDA graph of the same compiled code. inductor keeps what it compiled in its on-disk FX graph cache
 (`$TORCHINDUCTOR_CACHE_DIR`, by default under the system's temporary directory), so a second process skips the
@@ -48,11 +48,13 @@ from typing import Any
 
 import torch
 
-from ..engine.kv_cache import kv_layers, static_refusal, symbolic_sizes
-from ..engine.sampling import non_finite_rows
+from ..kernels import attention_cpp
+from ..kernels.gemm_templates import bf16_rows_kernel, register_cpu_gemm_kernels, untested_gemm_kernels
+from ..kernels.static_buffers import symbolic_sizes
+from ..sampling import non_finite_rows
+from ..targets.capabilities import static_refusal
 from ..targets.target import TargetError, TargetOutput
-from . import attention_cpp as cpu_attention
-from .gemm_templates import bf16_rows_kernel, register_cpu_gemm_kernels
+from .kv_cache import kv_layers
 
 
 def compile_verify(target: Any) -> str | None:
@@ -68,6 +70,8 @@ def compile_verify(target: Any) -> str | None:
         return (
             "--compile: fp16 weights run through fbgemm's own kernel, which is not compiled; decoding eagerly"
         )
+    if target.device.type == "cpu" and (why := untested_gemm_kernels(target.dtype, target.quantize)):
+        return f"--compile: {why}; decoding eagerly"  # rows through gemm_templates.py's kernels, made for one torch
     options = compile_options(target.device)
     if target.quantize == "w8a8":  # a CPU's scheme (quantize.check_quantize)
         note = _w8a8_refusal(options)
@@ -75,20 +79,18 @@ def compile_verify(target: Any) -> str | None:
             return f"--compile: {note}; decoding eagerly"
     target.static_cache = True
     target.compile_options = options
-    from . import packed_linear
+    from ..kernels import packed_linear
 
     if packed_linear.unpack_linears(target.model):  # dense layers for inductor, which packs its own
         target.lm_head = target.model.get_output_embeddings()
-    from . import attention
+    from ..kernels import attention
 
-    if attention.wanted(
-        target.model, target.dtype, target.device, compiled=True
-    ):  # before anything is traced
+    if attention.wanted(target.model, target.dtype, target.device, compiled=True):  # before any trace
         attention.use(target.model, target.dtype)
     if target.quantize == "w8a16" and target.device.type == "cpu" and fused_layers_wanted():
-        from . import decoder_layer_cpp as cpu_decoder_layer
+        from ..kernels import decoder_layer_cpp
 
-        cpu_decoder_layer.fuse(target.model)  # a decode step's layer in one call each (its docstring)
+        decoder_layer_cpp.fuse(target.model)  # a decode step's layer in one call each (its docstring)
     return None
 
 
@@ -105,7 +107,7 @@ def _w8a8_refusal(options: dict[str, Any]) -> str | None:
     (as the CPU defaults do; a `$FLASHDRAFT_COMPILE` may not)."""
     from torch._inductor import config as inductor_config
 
-    from .quantize import w8a8_compiles
+    from ..kernels.quantize import w8a8_compiles
 
     if not w8a8_compiles():
         return "int8 activations compile through inductor's avx512_vnni or AMX kernels, which this CPU lacks"
@@ -161,12 +163,9 @@ def compile_options(device: torch.device, training: bool = False) -> dict[str, A
             # column as it sums it at any width); SmolLM2-135M bf16's verify of 1 / 4 / 8 tokens 3 / 6 / 10 % faster
             # on a 2-core EPYC (avx512_bf16), interleaved in one process (benchmarks/README.md, 2026-11-29)
             "cpp.enable_concat_linear": True,
-            # no check of each opaque call's output sizes and strides in the graph's Python wrapper (inductor's debug
-            # `size_asserts`: about 215 a SmolLM2-135M step, which pays its wrapper's Python once per call): the
-            # w8a16 verify of 1-8 tokens 4-8 % faster in one interleaved run on a 2-core Emerald Rapids Xeon, mixed
-            # (-4 to +7 %) in another (benchmarks/README.md, 2026-12-06). The operators' fake kernels, which give
-            # inductor those sizes, are what the equality tests of the compiled paths check.
-            "size_asserts": False,
+            # inductor's `size_asserts` stay on: each opaque call's output sizes and strides are checked against what
+            # its fake kernel told inductor, so a wrong fake kernel is an error, not memory written out of bounds
+            # (off, the w8a16 verify of 1-8 tokens was 4-8 % faster in one run and -4 to +7 % in another: 2026-12-06)
             # the autotuning's tables of choices on stderr, at every compile: not for a user's terminal
             "autotune_num_choices_displayed": 0,
             "max_autotune_report_choices_stats": False,
@@ -271,18 +270,13 @@ def kernels_tag() -> str:
     from pathlib import Path
 
     digest = hashlib.sha256()
-    for name in (
-        "compiled.py",
-        "compiled_draft.py",
-        "gemm_templates.py",
-        "attention.py",
-        "attention_cpp.py",
-        "w8a16_cpp.py",
-        "decoder_layer_cpp.py",
-    ):
-        digest.update((Path(__file__).parent / name).read_bytes())
+    kernels = Path(attention_cpp.__file__).parent  # the modules choosing kernels, and the C++ sources (csrc/)
+    names = ("gemm_templates.py", "attention.py", "attention_cpp.py", "w8a16_cpp.py", "decoder_layer_cpp.py")
+    sources = [Path(__file__), Path(__file__).with_name("compiled_draft.py"), *(kernels / n for n in names)]
+    for path in [*sources, *sorted((kernels / "csrc").iterdir())]:
+        digest.update(path.read_bytes())
     digest.update(str(fused_layers_wanted()).encode())
-    digest.update(str(cpu_attention.tiles_wanted()).encode())  # AMX's scores or the vectors'
+    digest.update(str(attention_cpp.tiles_wanted()).encode())  # AMX's scores or the vectors'
     digest.update(repr(sorted(getattr(register_cpu_gemm_kernels, "without", ()))).encode())  # a benchmark's
     digest.update(repr(bf16_rows_kernel()).encode())  # AMX or the pair kernel (`cpu_gemm.serving_bf16_rows`)
     return digest.hexdigest()[:8]
@@ -298,7 +292,7 @@ def frozen_cache_tag(weights: Any) -> str:
     by 1.0)."""
     import hashlib
 
-    from .. import __version__
+    from .._version import __version__
 
     code = kernels_tag()
     modules = [weights] if isinstance(weights, torch.nn.Module) else list(weights)
@@ -424,9 +418,9 @@ def _register_w8a16_concat_linear() -> None:
     makes 121 a step instead of 211. Each output is its row's exact integer sum, whatever the width. Only where every
     layer but the last fills whole tiles of 16 outputs (the packed weights then line up), and without biases.
     Registered once the kernel is built (a w8a16 layer builds it): tracing the patterns runs the operator."""
-    from . import w8a16_cpp as cpu_w8a16
+    from ..kernels import w8a16_cpp
 
-    if getattr(_register_w8a16_concat_linear, "done", False) or cpu_w8a16.kernels() is None:
+    if getattr(_register_w8a16_concat_linear, "done", False) or w8a16_cpp.kernels() is None:
         return
     _register_w8a16_concat_linear.done = True
     register = _freezing_replacement()
@@ -442,7 +436,7 @@ def _register_w8a16_concat_linear() -> None:
         return (
             all(match.kwargs[name].op == "get_attr" for name in names)
             and len(widths) == len(scales)
-            and all(width % cpu_w8a16.TILE_COLUMNS == 0 for width in widths[:-1])
+            and all(width % w8a16_cpp.TILE_COLUMNS == 0 for width in widths[:-1])
         )
 
     def three(x, p1, p2, p3, s1, s2, s3, c1, c2, c3):
