@@ -238,7 +238,7 @@ def test_a_process_without_w8a16_layers_compiles_frozen_graphs():
     script = (
         "import torch\n"
         "from torch import nn\n"
-        "from flashdraft import w8a16_cpp\n"
+        "from flashdraft.kernels import w8a16_cpp\n"
         "from flashdraft.engine.compiled import compile_options, compile_whole\n"
         "layer = nn.Linear(64, 32).to(torch.bfloat16).eval()\n"
         "step = compile_whole(lambda x: layer(x), compile_options(torch.device('cpu')), weights=layer)\n"

@@ -56,34 +56,14 @@ def load_pipeline(
     checked against each other before any weight is read. `quantize`, `compile`, `images`: as `load_target`'s
     (`compile`: its verify compiled, `engine.compiled.compile_verify`). `draft_vocab`: the drafter's head over this
     many tokens (0: all; None: its own choice, drafter/vocab.py). `costs`: measure the price list now."""
-    from transformers import AutoConfig
-
-    from .drafter.checkpoint import load_drafter_config
     from .engine.compiled import compile_verify
     from .kernels.quantize import check_quantize
-    from .models.packs import resolve_model
-    from .targets.target import (
-        TargetError,
-        check_decodable_config,
-        check_drafter_fits_config,
-        load_target,
-        parse_device,
-        parse_dtype,
-    )
+    from .targets.target import load_target, parse_device, parse_dtype
 
     name = str(target)
     torch_dtype, dev = parse_dtype(dtype), parse_device(device)
     check_quantize(quantize, torch_dtype, dev)
-    draft_config = load_drafter_config(draft) if draft is not None else None
-    path = resolve_model(target)  # unknown pack names fail here; a pack is fetched once
-    try:
-        target_config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TargetError(f"cannot read the config of target {name!r}: {first}") from None
-    check_decodable_config(target_config, name)
-    if draft_config is not None:
-        check_drafter_fits_config(draft_config, target_config, name)
+    path, _ = check_pair(target, draft)
     loaded = load_target(
         path, dtype=torch_dtype, device=dev, quantize=quantize, images=images, compiled=compile
     )
@@ -97,3 +77,26 @@ def load_pipeline(
         if costs:
             pipeline.measure_costs(log)
     return pipeline
+
+
+def check_pair(target: str | Path, draft: str | Path | None = None) -> tuple[str, Any]:
+    """The target's path (a pack fetched once) and Hugging Face config, checked from the configs alone: a target the
+    engine can decode exactly, a drafter (if any) made for it. One line for what is wrong, before any weight."""
+    from transformers import AutoConfig
+
+    from .drafter.checkpoint import load_drafter_config
+    from .models.packs import resolve_model
+    from .targets.target import TargetError, check_decodable_config, check_drafter_fits_config
+
+    name = str(target)
+    draft_config = load_drafter_config(draft) if draft is not None else None
+    path = resolve_model(target)  # unknown pack names fail here
+    try:
+        target_config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TargetError(f"cannot read the config of target {name!r}: {first}") from None
+    check_decodable_config(target_config, name)
+    if draft_config is not None:
+        check_drafter_fits_config(draft_config, target_config, name)
+    return path, target_config

@@ -84,13 +84,14 @@ def tree_note(target: Any, nodes: int | None) -> str | None:
     return None if reason is None else f"--tree: {target.name} has {reason}; verifying chains"
 
 
-def compile_or_note(target: Any) -> None:
-    """`--compile` on a loaded target: its verify compiled, or one line saying why it decodes eagerly."""
-    from ..engine.compiled import compile_verify
+def load_noting(target: str, draft: Any, **options: Any) -> Any:
+    """`flashdraft.load_pipeline` for a command: what `--compile` could not compile said in one note line."""
+    from ..pipeline import load_pipeline
 
-    note = compile_verify(target)
-    if note:
-        console.print(f"[yellow]note:[/] {note}")
+    pipeline = load_pipeline(target, draft, **options)
+    if pipeline.compile_note:
+        console.print(f"[yellow]note:[/] {pipeline.compile_note}")
+    return pipeline
 
 
 def parse_block_size(text: str, drafter_block_size: int | None) -> int | str:

@@ -18,6 +18,7 @@ from .common import (
     QuantizeOption,
     TreeOption,
     console,
+    load_noting,
     out,
     parse_block_size,
     parse_draft_vocab,
@@ -146,16 +147,12 @@ def generate_command(
     from ..engine.compiled import compile_options
     from ..generate import GenerationError, generate, generate_ar
     from ..kernels.quantize import check_quantize
-    from ..models.packs import resolve_model
-    from ..pipeline import load_pipeline
+    from ..pipeline import check_pair
     from ..progress import busy_machine_warning, quiet_libraries
     from ..sampling import SamplingParams
     from ..targets.model_parts import image_text_class
     from ..targets.multimodal import ImageError, encode_image_prompt, load_image
     from ..targets.target import (
-        TargetError,
-        check_decodable_config,
-        check_drafter_fits_config,
         parse_device,
         parse_dtype,
     )
@@ -179,16 +176,7 @@ def generate_command(
     verify = parse_block_size(block_size, draft_config.block_size)
     nodes = parse_tree(tree)
     vocab_size = parse_draft_vocab(draft_vocab)
-    target_path = resolve_model(target)  # unknown pack names fail here; a pack is fetched once
-    from transformers import AutoConfig
-
-    try:
-        target_config = AutoConfig.from_pretrained(target_path)
-    except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TargetError(f"cannot read the config of target {target!r}: {first}") from None
-    check_decodable_config(target_config, target)
-    check_drafter_fits_config(draft_config, target_config, target)
+    _, target_config = check_pair(target, draft)  # a pack is fetched here, once
     images = [load_image(p, name=str(p)) for p in image or []]  # an unreadable image is named before any load
     if images and image_text_class(target_config) is None:
         raise ImageError(f"target {target} is a text-only model: it cannot take images")
@@ -196,7 +184,7 @@ def generate_command(
         torch.set_num_threads(threads)
 
     t0 = time.perf_counter()
-    pipeline = load_pipeline(
+    pipeline = load_noting(
         target,
         draft,
         dtype=torch_dtype,
@@ -206,8 +194,6 @@ def generate_command(
         compile=compile_verify,
         draft_vocab=vocab_size,
     )
-    if pipeline.compile_note:
-        console.print(f"[yellow]note:[/] {pipeline.compile_note}")
     tgt, drafter = pipeline.target, pipeline.drafter
     load_s = time.perf_counter() - t0
     busy = busy_machine_warning(tgt.device.type, torch.get_num_threads())

@@ -14,6 +14,7 @@ from .common import (
     QuantizeOption,
     TreeOption,
     console,
+    load_noting,
     parse_block_size,
     parse_draft_vocab,
     parse_tree,
@@ -66,7 +67,6 @@ def serve_command(
     from ..drafter.checkpoint import load_drafter_config
     from ..generate import GenerationError
     from ..kernels.quantize import check_quantize
-    from ..pipeline import load_pipeline
     from ..serve import Engine, build_app, run_server
     from ..targets.target import parse_device, parse_dtype
 
@@ -83,7 +83,7 @@ def serve_command(
         raise GenerationError(f"--max-batch-size must be >= 1, got {max_batch_size}")
     if threads:
         torch.set_num_threads(threads)
-    pipeline = load_pipeline(
+    pipeline = load_noting(
         target,
         draft,
         dtype=torch_dtype,
@@ -95,8 +95,6 @@ def serve_command(
         costs=draft is not None and verify == "auto",
         log=lambda m: console.print(m, soft_wrap=True),
     )
-    if pipeline.compile_note:
-        console.print(f"[yellow]note:[/] {pipeline.compile_note}")
     tgt, drafter, costs = pipeline.target, pipeline.drafter, pipeline.costs
     if drafter is not None and (note := tree_note(tgt, nodes)):
         console.print(f"[yellow]note:[/] {note}")
