@@ -278,7 +278,7 @@ def kernels_tag() -> str:
     digest.update(str(fused_layers_wanted()).encode())
     digest.update(str(attention_cpp.tiles_wanted()).encode())  # AMX's scores or the vectors'
     digest.update(repr(sorted(getattr(register_cpu_gemm_kernels, "without", ()))).encode())  # a benchmark's
-    digest.update(repr(bf16_rows_kernel()).encode())  # AMX or the pair kernel (`cpu_gemm.serving_bf16_rows`)
+    digest.update(repr(bf16_rows_kernel()).encode())  # AMX or the pair kernel (`serving_bf16_rows`)
     return digest.hexdigest()[:8]
 
 
@@ -473,7 +473,7 @@ def _register_w8a16_concat_linear() -> None:
 
 def int8_concat_row_dtypes() -> tuple[torch.dtype, ...]:
     """The rows whose int8 layers of one input `_register_int8_concat_linear` makes one GEMM: fp32 (the template's
-    fp32 kernel), and bf16 where AMX or cpu_gemm's pair kernel serves them (`bf16_rows_kernel`), which sum a column
+    fp32 kernel), and bf16 where AMX or gemm_templates's pair kernel serves them (`bf16_rows_kernel`), which sum a column
     in one order at any width. inductor's own bf16 x int8 kernels, elsewhere, are left as they are."""
     return (torch.float32, torch.bfloat16) if bf16_rows_kernel() else (torch.float32,)
 

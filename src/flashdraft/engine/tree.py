@@ -210,7 +210,7 @@ def tree_refusal(target: Any) -> str | None:
     softcap = getattr(target.config, "attn_logit_softcapping", None)
     if _compiled_cpu_reduced(target) and (softcap or not _tree_invariant(target.dtype)):
         # Its chains keep a one-token step's bits (tests/test_static_cache.py); a tree verify is shown to only with
-        # cpu_attention's kernel and the pair GEMM kernel (tests/test_tree.py); before them, 1 of 24 bench outputs
+        # attention_cpp's kernel and the pair GEMM kernel (tests/test_tree.py); before them, 1 of 24 bench outputs
         # with trees parted from plain decoding on a near-tie (benchmarks/README.md).
         return (
             "the compiled CPU path in reduced precision (a tree's verify is not bit-exact there; chains are)"
@@ -235,8 +235,8 @@ def _compiled_cpu_reduced(target: Any) -> bool:
 
 def _tree_invariant(dtype: torch.dtype) -> bool:
     """Whether the compiled CPU verify in `dtype` gives a tree's node the bits of its path's one-token steps: the
-    attention through cpu_attention's kernel (hidden columns add nothing, wherever they are), and the linears
-    through AMX or cpu_gemm's pair kernel (`bf16_rows_kernel`: a row's bits whatever the rows beside it)."""
+    attention through attention_cpp's kernel (hidden columns add nothing, wherever they are), and the linears
+    through AMX or gemm_templates's pair kernel (`bf16_rows_kernel`: a row's bits whatever the rows beside it)."""
     from ..kernels.attention import kernel_ready
     from ..kernels.gemm_templates import bf16_rows_kernel
 

@@ -1,4 +1,4 @@
-"""The on-disk layout of a training data directory (`data.regenerate` writes it, `training_data` reads it): its
+"""The on-disk layout of a training data directory (`regenerate.regenerate` writes it, `dataset` reads it): its
 manifest, its shards and their headers, and the offline features' files.
 
 Everything is written to a temporary name and renamed into place:
