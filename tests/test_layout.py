@@ -129,3 +129,12 @@ def test_only_the_kernels_read_the_cpu_s_features():
         if p.relative_to(ROOT).parts[0] != "kernels" and tests.search(p.read_text())
     )
     assert not readers, readers
+
+
+def test_the_kernel_switches_are_read_in_one_place():
+    """`$FLASHDRAFT_COMPILE`, `_FUSED_LAYERS`, `_ATTENTION`, `_ATTENTION_TILES`, `_PACKED_LINEAR`: kernels/switches.py."""
+    read = re.compile(
+        r"environ(?:\.get)?\W+[\"']FLASHDRAFT_(COMPILE|FUSED_LAYERS|ATTENTION|ATTENTION_TILES|PACKED_LINEAR)\b"
+    )
+    readers = sorted(str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if read.search(p.read_text()))
+    assert readers == ["kernels/switches.py"], readers

@@ -40,7 +40,6 @@ On a CPU a `--quantize w8a16` target's Llama-style decoder layers each run as on
 from __future__ import annotations
 
 import functools
-import os
 import threading
 import warnings
 from collections.abc import Sequence
@@ -48,7 +47,7 @@ from typing import Any
 
 import torch
 
-from ..kernels import attention_cpp
+from ..kernels import attention_cpp, switches
 from ..kernels.gemm_templates import bf16_rows_kernel, register_cpu_gemm_kernels, untested_gemm_kernels
 from ..kernels.static_buffers import symbolic_sizes
 from ..sampling import non_finite_rows
@@ -97,7 +96,7 @@ def compile_verify(target: Any) -> str | None:
 def fused_layers_wanted() -> bool:
     """Whether a compiled w8a16 target's layers run as decoder_layer_cpp.py's operator: unless
     `$FLASHDRAFT_FUSED_LAYERS` is 0 (inductor's graph of the model's own layers, as before 2026-12-06)."""
-    return os.environ.get("FLASHDRAFT_FUSED_LAYERS", "1") != "0"
+    return switches.fused_layers()
 
 
 def _w8a8_refusal(options: dict[str, Any]) -> str | None:
@@ -129,9 +128,8 @@ def compile_options(device: torch.device, training: bool = False) -> dict[str, A
     frozen C++ kernels on a CPU (the module docstring); for `training`, inductor's defaults (shapes
     change with every micro-batch and weights with every step: no graphs, nothing frozen)."""
     import json
-    import os
 
-    env = os.environ.get("FLASHDRAFT_COMPILE")
+    env = switches.compile_options_json()
     if env:
         try:
             options = json.loads(env)

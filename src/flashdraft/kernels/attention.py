@@ -165,9 +165,9 @@ def wanted(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, com
     """Whether a target runs the short-query attention: on a CPU, where the model runs SDPA, in bf16 or fp32 or
     `compiled` (any dtype), unless `$FLASHDRAFT_ATTENTION` is "sdpa" (transformers' SDPA function for every query,
     as before)."""
-    import os
+    from .switches import short_query_attention
 
-    if os.environ.get("FLASHDRAFT_ATTENTION", NAME) == "sdpa":
+    if not short_query_attention():
         return False
     attention = getattr(model.config, "_attn_implementation", None)
     cpu_dtype = dtype in (torch.bfloat16, torch.float32)

@@ -104,9 +104,9 @@ def prepare(dtype: torch.dtype) -> bool:
 def tiles_wanted() -> bool:
     """Whether bf16 scores may go to AMX's tiles where the CPU has them: unless `$FLASHDRAFT_ATTENTION_TILES` is
     "0" (read once, as the library loads: a process's calls all score alike)."""
-    import os
+    from .switches import attention_tiles
 
-    return os.environ.get("FLASHDRAFT_ATTENTION_TILES", "1") != "0"
+    return attention_tiles()
 
 
 def tiles() -> bool:

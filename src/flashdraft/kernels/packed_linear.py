@@ -17,12 +17,13 @@ the engine decodes eagerly on a CPU (`load_target`); `--compile` puts the dense 
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import switches
 
 
 def available() -> bool:
@@ -37,7 +38,7 @@ def available() -> bool:
 
 def wanted(model: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
     """Pack this model's linears: fp32 on a CPU, oneDNN present, not turned off by the environment."""
-    if os.environ.get("FLASHDRAFT_PACKED_LINEAR", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not switches.packed_linears():
         return False
     if device.type != "cpu" or dtype != torch.float32 or not available():
         return False
