@@ -67,10 +67,10 @@ class BatchedDFlashProposer(BatchProposer):
     pass, each row keeps its draft or its free proposal (lookup match or forced text), whichever is expected to give
     more. When drafting does not beat plain steps, it is skipped for 1, 2, 4, .. steps between probes (the free
     proposals still fill them), so it comes back as soon as the text becomes predictable again, and for as many
-    steps as keep the probes' loss to a tenth of the time (`PROBE_SHARE`; several rows, whose draft pass costs more
-    than their plain step, 3 %: `BATCH_PROBE_SHARE`, and a probe at once when the batch has halved since); a probe
-    verifies only what beats the plain steps that follow it. Several rows speculate only where that beats plain
-    steps by a margin (`BATCH_MARGIN`). An integer
+    steps as keep the probes' loss to a tenth of the time (policy.py's `PROBE_SHARE`; several rows, whose draft pass
+    costs more than their plain step, 3 %: `BATCH_PROBE_SHARE`, and a probe at once when the batch has halved since);
+    a probe verifies only what beats the plain steps that follow it. Several rows speculate only where that beats
+    plain steps by a margin (`BATCH_MARGIN`); `BatchPolicy` makes these choices. An integer
     `block_size` drafts and verifies that many tokens (anchor included) every step.
 
     `tree=N`: rows draft trees of at most N nodes instead of chains (tree.py), built best-first from each slot's few

@@ -86,17 +86,11 @@ def compile_verify(target: Any) -> str | None:
 
     if attention.wanted(target.model, target.dtype, target.device, compiled=True):  # before any trace
         attention.use(target.model, target.dtype)
-    if target.quantize == "w8a16" and target.device.type == "cpu" and fused_layers_wanted():
+    if target.quantize == "w8a16" and target.device.type == "cpu" and switches.fused_layers():
         from ..kernels import decoder_layer_cpp
 
         decoder_layer_cpp.fuse(target.model)  # a decode step's layer in one call each (its docstring)
     return None
-
-
-def fused_layers_wanted() -> bool:
-    """Whether a compiled w8a16 target's layers run as decoder_layer_cpp.py's operator: unless
-    `$FLASHDRAFT_FUSED_LAYERS` is 0 (inductor's graph of the model's own layers, as before 2026-12-06)."""
-    return switches.fused_layers()
 
 
 def _w8a8_refusal(options: dict[str, Any]) -> str | None:
@@ -273,8 +267,8 @@ def kernels_tag() -> str:
     sources = [Path(__file__), Path(__file__).with_name("compiled_draft.py"), *(kernels / n for n in names)]
     for path in [*sources, *sorted((kernels / "csrc").iterdir())]:
         digest.update(path.read_bytes())
-    digest.update(str(fused_layers_wanted()).encode())
-    digest.update(str(attention_cpp.tiles_wanted()).encode())  # AMX's scores or the vectors'
+    digest.update(str(switches.fused_layers()).encode())
+    digest.update(str(switches.attention_tiles()).encode())  # AMX's scores or the vectors'
     digest.update(repr(sorted(getattr(register_cpu_gemm_kernels, "without", ()))).encode())  # a benchmark's
     digest.update(repr(bf16_rows_kernel()).encode())  # AMX or the pair kernel (`serving_bf16_rows`)
     return digest.hexdigest()[:8]

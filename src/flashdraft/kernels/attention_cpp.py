@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from . import cpp_build
+from . import cpp_build, switches
 
 # the engine's dtype (attention.KERNEL_DTYPES), and the tests'
 DTYPES = {torch.bfloat16: "at::BFloat16", torch.float32: "float"}
@@ -97,16 +97,10 @@ def prepare(dtype: torch.dtype) -> bool:
         _loaded = cpp_build.load(source(), "the CPU attention kernel (using two products)")
         _built = _loaded is not None
         if _built:
-            _tiles = bool(_loaded.flashdraft_attention_amx(int(tiles_wanted() and torch.cpu._init_amx())))
+            _tiles = bool(
+                _loaded.flashdraft_attention_amx(int(switches.attention_tiles() and torch.cpu._init_amx()))
+            )
     return ready(dtype)
-
-
-def tiles_wanted() -> bool:
-    """Whether bf16 scores may go to AMX's tiles where the CPU has them: unless `$FLASHDRAFT_ATTENTION_TILES` is
-    "0" (read once, as the library loads: a process's calls all score alike)."""
-    from .switches import attention_tiles
-
-    return attention_tiles()
 
 
 def tiles() -> bool:

@@ -47,9 +47,8 @@ BF16_WIDENING_BLOCK = (4, 48, 1)
 # another, nothing is edited, and the compiled paths that rely on the edits decode eagerly, saying why
 # (`untested_torch`), rather than compile with kernels whose rows are not held to one summation order.
 TESTED_TORCH = ("2.13",)
-_MISSING: list[
-    str
-] = []  # what of inductor's internals was not where the edits expect it (registration's finding)
+# what of inductor's internals was not where the edits expect it (registration's finding)
+_MISSING: list[str] = []
 
 
 def _release() -> str:
@@ -67,8 +66,7 @@ def untested_gemm_kernels(dtype: torch.dtype, quantize: str | None) -> str | Non
 def untested_torch() -> str | None:
     """Why the table edits do not serve on this torch (None: they do): a release they were not tested with, or
     inductor's micro-kernel table not where they expect it."""
-    release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-    if release not in TESTED_TORCH:
+    if _release() not in TESTED_TORCH:
         return f"flashdraft's CPU GEMM kernels are tested with torch {', '.join(TESTED_TORCH)}, not {torch.__version__}"
     register_cpu_gemm_kernels()
     if _MISSING:
