@@ -4,6 +4,8 @@ Verifying n proposals yields E(n) = 1 + sum_{k<=n} prod_{j<=k} p_j tokens (the t
 where p_j = P(proposal j accepted | proposals before it accepted). A step costs t_propose + t_verify(n + 1).
 `best_verify_length` picks the n in 0..N with the most tokens per second. The p_j come from `AcceptanceTable`s
 learned online from the steps already verified (calibration.py: the drafter's keyed by confidence and depth).
+`BatchPolicy` makes a batch's choices each step from them (batched_dflash.py's proposer asks it): one verify length
+for the batch, the rate speculating must beat, and when to skip the draft pass and probe again.
 """
 
 from __future__ import annotations
