@@ -400,3 +400,16 @@ def workers_stderr(stderr: str, keep: int = 3000) -> str:
     follow it (they name the signal, not the cause: 'terminate called ...' sits above them)."""
     launcher = stderr.find('Traceback (most recent call last):\n  File "<frozen runpy>"')
     return stderr[:launcher][-keep:] if launcher > 0 else stderr[-keep:]
+
+
+def replan(target, **changes):
+    """`target` on its kernel plan with `changes` (`static_cache=True`: the static cache, eagerly on a CPU;
+    `compile_options=...`: its verify compiled so), its modules prepared by it; returns the plan it keeps."""
+    return target.use_plan(target.plan.replace(**changes))
+
+
+def compiled_plan(options, dtype=torch.float32):
+    """A CPU kernel plan compiled with `options` (a stand-in target's `plan`)."""
+    from flashdraft.kernels.plan import KernelPlan
+
+    return KernelPlan(torch.device("cpu"), dtype, compile_options=options, static_cache=True)

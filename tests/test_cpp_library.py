@@ -68,3 +68,31 @@ def test_no_cpp_lives_in_a_python_module_and_every_source_ships():
     cpp = re.compile(r"#include <|TORCH_LIBRARY_IMPL\(|_mm512_\w+\(|\{\{kernel")
     holders = [str(p.relative_to(package)) for p in package.rglob("*.py") if cpp.search(p.read_text())]
     assert holders == [], holders
+
+
+def test_a_failed_build_is_not_tried_again_in_the_next_process(tmp_path, monkeypatch, caplog):
+    """A build that failed is remembered beside inductor's cache: the next process (here: the same call again, with
+    the in-process caches of the operators' modules out of the way) goes without the library at once, with the same
+    one warning, naming where it is remembered. Another source, another compiler or the note deleted builds again."""
+    from torch._inductor.codecache import CppCodeCache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    tries = []
+
+    def fail(cls, source, **kw):
+        tries.append(source)
+        raise RuntimeError("g++: error: no such compiler\nmore lines")
+
+    monkeypatch.setattr(CppCodeCache, "load", classmethod(fail))
+    with caplog.at_level(logging.WARNING, logger="flashdraft.kernels.cpp_build"):
+        assert cpp_build.load("int x;", "a test library") is None
+        assert cpp_build.load("int x;", "a test library") is None
+    assert len(tries) == 1
+    first, again = (r.getMessage() for r in caplog.records)
+    assert first == "flashdraft: a test library did not build (g++: error: no such compiler)"
+    assert again.startswith(first[:-1] + "; remembered in " + str(tmp_path))
+    assert cpp_build.load("int y;", "a test library") is None and len(tries) == 2  # another source
+    monkeypatch.setattr(cpp_build, "_compiler", lambda: "clang++ /usr/bin/clang++ 1")  # a compiler installed
+    assert cpp_build.load("int x;", "a test library") is None and len(tries) == 3
+    cpp_build.failure_note(f"// built for: {cpp_build.cpu_features()}\nint x;").unlink()
+    assert cpp_build.load("int x;", "a test library") is None and len(tries) == 4

@@ -6,7 +6,8 @@ where its columns sit among hidden ones (a draft tree's node against its path al
 import pytest
 import torch
 
-from flashdraft.kernels import attention, attention_cpp, switches
+from flashdraft.kernels import attention, attention_cpp
+from flashdraft.kernels.plan import switches
 
 DTYPES = [torch.bfloat16, torch.float32]
 WIDTHS = [(64, 64), (128, 128), (80, 48)]  # (head, value head): the two register paths, the general one
@@ -25,7 +26,7 @@ def scores(request):
     if not attention_cpp.set_tiles(request.param == "tiles") and request.param == "tiles":
         pytest.skip("no AMX tiles on this CPU")
     yield request.param
-    attention_cpp.set_tiles(switches.attention_tiles())
+    attention_cpp.set_tiles(switches()["attention_tiles"])
 
 
 def reference(q, k, v, mask, scale):

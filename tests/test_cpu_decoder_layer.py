@@ -12,6 +12,7 @@ from conftest import (
     VOCAB,
     assert_batched_dflash_is_plain_decoding,
     assert_dflash_is_plain_decoding,
+    replan,
     tiny_model,
 )
 from flashdraft import Target, generate, generate_ar, generate_batch
@@ -41,7 +42,7 @@ def w8a16_target(arch: str, fused: bool, **overrides) -> Target:
     quantize(model, "w8a16")
     target = Target(model)
     if fused:  # the static cache and the short-query attention, as `--compile` sets them, eager
-        target.static_cache = True
+        replan(target, static_cache=True)
         attention.use(model, torch.bfloat16)
         assert decoder_layer_cpp.fuse(model) == model.config.num_hidden_layers
     return target
@@ -153,7 +154,7 @@ def test_layers_the_operator_cannot_run_keep_their_own_forward():
     qwen3.model.layers[0].self_attn.k_norm.float()
     assert decoder_layer_cpp.refusal(qwen3.model.layers[0]) == "norms without bf16 weights"
     target = Target(model)
-    target.static_cache = True
+    replan(target, static_cache=True)
     attention.use(model, torch.bfloat16)
     ids = torch.tensor([[5, 9, 17, 3, 40]])
     assert layer_calls(target, ids, 3) == 0

@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from flashdraft.engine.compiled import compile_options, compile_whole
+from flashdraft.engine.compiled import compile_whole
 from flashdraft.kernels.gemm_templates import bf16_row_kernels, bf16_rows_kernel, serving_bf16_rows
+from flashdraft.kernels.plan import compile_options
 
 # what each kernel leaves in a graph's code, once per GEMM it serves
 MARKS = {"pairs": "_mm512_dpbf16_ps(", "amx": "_tile_release()"}

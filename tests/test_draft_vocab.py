@@ -8,7 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import VOCAB, assert_batched_dflash_is_plain_decoding, assert_dflash_is_plain_decoding
+from conftest import (
+    VOCAB,
+    assert_batched_dflash_is_plain_decoding,
+    assert_dflash_is_plain_decoding,
+    compiled_plan,
+)
 from flashdraft import DFlashDraftModel, Target, generate, generate_ar
 from flashdraft.drafter.vocab import (
     DraftVocabError,
@@ -169,12 +174,14 @@ def test_the_compiled_draft_head_over_a_vocabulary_gives_the_eager_head_s_logits
     from types import SimpleNamespace
 
     from flashdraft.drafter.model import draft_logits, scale_draft_logits
-    from flashdraft.engine.compiled import compile_options
     from flashdraft.engine.compiled_draft import draft_head
     from flashdraft.engine.tree import top_candidates
+    from flashdraft.kernels.plan import compile_options
 
     torch.manual_seed(0)
-    target = SimpleNamespace(compile_options=compile_options(torch.device("cpu")), model=torch.nn.Module())
+    target = SimpleNamespace(
+        plan=compiled_plan(compile_options(torch.device("cpu"))), model=torch.nn.Module()
+    )
     config = SimpleNamespace(output_multiplier=0.5, final_logit_softcapping=3.0)
     linear = nn.Linear(48, VOCAB, bias=True)
     ids = torch.tensor(sorted(random.Random(2).sample(range(VOCAB), 40)))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import VOCAB, tiny_model
+from conftest import VOCAB, compiled_plan, tiny_model
 from flashdraft import DFlashDraftModel, Target, generate_ar
 from flashdraft.engine.compiled import compile_verify
 from flashdraft.engine.decoder import BatchDecoder
@@ -26,7 +26,8 @@ def test_cpu_linears_are_frozen_into_inductor_s_gemm_template_with_the_linear_s_
     through ATen). The values are the linear's, within the rounding of another summation order."""
     from torch._dynamo.utils import counters
 
-    from flashdraft.engine.compiled import compile_options, compile_whole
+    from flashdraft.engine.compiled import compile_whole
+    from flashdraft.kernels.plan import compile_options
 
     options = compile_options(torch.device("cpu"))
     assert (
@@ -46,7 +47,7 @@ def test_cpu_linears_are_frozen_into_inductor_s_gemm_template_with_the_linear_s_
             got = step(x)
             if dtype == torch.float32:  # frozen for real (the weights are constants, packed) and templated
                 assert counters["inductor"]["cpp_templated_kernel_counter"] == 2
-                # packed by the template alone, no oneDNN copy (compiled._no_onednn_prepack)
+                # packed by the template alone, no oneDNN copy (inductor_passes._no_onednn_prepack)
                 assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == 0
             hidden = torch.nn.functional.linear(x.float(), up.weight.float(), up.bias.float())
             want = torch.nn.functional.linear(torch.relu(hidden.to(dtype)).float(), head.weight.float())
@@ -59,7 +60,8 @@ def test_two_frozen_models_of_the_same_shapes_each_run_their_own_weights():
     skip the guards on modules: each compiled function must have code of its own, or the second model of the same
     shapes runs the first one's weights (it did, with PyTorch's `skip_guard_on_all_nn_modules_unsafe` and shared
     code). The two lambdas here share one code object, as two models' verifies share `VerifyForward._forward`."""
-    from flashdraft.engine.compiled import compile_options, compile_whole
+    from flashdraft.engine.compiled import compile_whole
+    from flashdraft.kernels.plan import compile_options
 
     torch.manual_seed(0)
     first, second = (
@@ -86,7 +88,8 @@ def test_frozen_graphs_are_cached_on_disk_under_their_weights(tmp_path, monkeypa
     from torch._dynamo.utils import counters
     from torch.compiler._cache import CacheArtifactManager
 
-    from flashdraft.engine.compiled import compile_options, compile_whole
+    from flashdraft.engine.compiled import compile_whole
+    from flashdraft.kernels.plan import compile_options
 
     def recorded() -> int:  # the cache entries torch keeps in memory for `save_cache_artifacts`
         return sum(len(artifacts) for artifacts in CacheArtifactManager._new_cache_artifacts.values())
@@ -116,7 +119,8 @@ def test_frozen_graphs_are_cached_on_disk_under_their_weights(tmp_path, monkeypa
 
 def test_a_frozen_graph_names_the_weights_it_freezes():
     """compile_whole refuses a frozen graph without its weights: its cache entry would have no name of them."""
-    from flashdraft.engine.compiled import compile_options, compile_whole
+    from flashdraft.engine.compiled import compile_whole
+    from flashdraft.kernels.plan import compile_options
 
     with pytest.raises(ValueError, match="weights"):
         compile_whole(lambda x: x, compile_options(torch.device("cpu")))
@@ -131,13 +135,13 @@ def test_the_compiled_draft_head_gives_the_eager_head_s_logits_for_any_number_of
     from torch._dynamo.utils import counters
 
     from flashdraft.drafter.model import draft_logits
-    from flashdraft.engine.compiled import compile_options
     from flashdraft.engine.compiled_draft import draft_head
     from flashdraft.engine.tree import top_candidates
+    from flashdraft.kernels.plan import compile_options
 
     torch.manual_seed(0)
     options = compile_options(torch.device("cpu"))
-    target = SimpleNamespace(compile_options=options, model=torch.nn.Module())
+    target = SimpleNamespace(plan=compiled_plan(options), model=torch.nn.Module())
     config = SimpleNamespace(output_multiplier=0.5, final_logit_softcapping=3.0)
     weight, bias = torch.randn(300, 48), torch.randn(300)
     torch._dynamo.reset()
@@ -178,7 +182,7 @@ def test_the_compiled_draft_head_gives_the_eager_head_s_logits_for_any_number_of
     # the template takes constant weights only (frozen), and packs them itself: no oneDNN copy
     assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == 0
     assert counters["inductor"]["select_algorithm_autotune"] == 0  # the template, not a timing's choice
-    target.compile_options = None
+    target.plan = target.plan.replace(compile_options=None)
     assert draft_head(config, weight, bias, target) is None  # an eager verify: the eager head
 
 
@@ -190,15 +194,17 @@ def test_the_compiled_context_projection_is_the_eager_one_in_one_graph():
 
     from torch._dynamo.utils import counters
 
-    from flashdraft.engine.compiled import compile_options
     from flashdraft.engine.compiled_draft import draft_context_pass
+    from flashdraft.kernels.plan import compile_options
 
     torch.manual_seed(0)
     model = tiny_model("llama", layers=4)
     draft = DFlashDraftModel.for_target(
         model.config, num_layers=2, block_size=8, mask_token_id=VOCAB - 1
     ).eval()
-    target = SimpleNamespace(compile_options=compile_options(torch.device("cpu")), device=torch.device("cpu"))
+    target = SimpleNamespace(
+        plan=compiled_plan(compile_options(torch.device("cpu"))), device=torch.device("cpu")
+    )
     feat = len(draft.config.target_layer_ids) * model.config.hidden_size
     torch._dynamo.reset()
     counters.clear()
@@ -216,7 +222,7 @@ def test_the_compiled_context_projection_is_the_eager_one_in_one_graph():
                 torch.testing.assert_close(v, v_want, rtol=1e-4, atol=1e-4)
     # rows of one are specialised apart from more rows (dynamo), widths of one are not
     assert counters["stats"]["unique_graphs"] == 2
-    target.compile_options = None
+    target.plan = target.plan.replace(compile_options=None)
     assert draft_context_pass(draft, target) is None
 
 
@@ -267,7 +273,7 @@ def test_the_compiled_bf16_verify_gives_a_token_the_same_bits_at_any_length():
     alone or as one of 2 to 16 tokens, and whether the graph taps layers for a drafter (DFlash's verify) or not
     (plain decoding's step). At SmolLM2's widths, bf16 eager decoding and the compiled graphs through oneDNN's GEMM
     both give other bits to a token in a longer verify, and inductor's choice between them by timing gave two
-    graphs different kernels (compiled.one_gemm_choice): bf16 outputs then differed from plain decoding on near-ties."""
+    graphs different kernels (inductor_passes.one_gemm_choice): bf16 outputs then differed from plain decoding on near-ties."""
     from flashdraft.engine.measure import static_decoder
     from flashdraft.engine.proposers import NoProposer
 
@@ -309,7 +315,7 @@ def test_compiled_fp32_short_query_attention_decodes_as_plain_decoding(arch):
     assert model.config._attn_implementation == attention.NAME  # switched before anything was traced
     # the same weights, eager: SDPA's kernel
     reference = Target(tiny_model(arch, max_position_embeddings=1024))
-    assert reference.static_cache is None and reference.compile_options is None
+    assert not reference.plan.static_cache and not reference.plan.compiled
     draft = DFlashDraftModel.for_target(model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1)
     for temperature in (0.0, 0.9):
         want = generate_ar(reference, prompt, 12, temperature=temperature, seed=3, stop_token_ids=[])
@@ -337,9 +343,9 @@ def test_on_a_torch_the_gemm_kernels_are_not_made_for_bf16_and_int8_targets_deco
         assert note is not None and note.startswith(
             "--compile: flashdraft's CPU GEMM kernels are tested with torch"
         )
-        assert note.endswith("; decoding eagerly") and "\n" not in note and not target.static_cache
+        assert note.endswith("; decoding eagerly") and "\n" not in note and not target.plan.static_cache
     fp32 = Target(tiny_model("llama"))
-    assert compile_verify(fp32) is None and fp32.static_cache
+    assert compile_verify(fp32) is None and fp32.plan.static_cache
     monkeypatch.setattr(gemm_templates, "TESTED_TORCH", (".".join(torch.__version__.split(".")[:2]),))
     assert gemm_templates.untested_torch() is None  # this torch: the edits serve
 
@@ -348,7 +354,8 @@ def test_an_operator_whose_fake_kernel_lies_about_its_output_is_an_error_not_a_s
     """The compiled CPU graphs keep inductor's `size_asserts`: flashdraft's C++ operators are opaque to inductor, which
     plans its buffers from their fake kernels; one that lies (here three columns out where the kernel writes four) is
     an assertion in the graph's wrapper, not memory written past a buffer."""
-    from flashdraft.engine.compiled import compile_options, compile_whole
+    from flashdraft.engine.compiled import compile_whole
+    from flashdraft.kernels.plan import compile_options
 
     library = torch.library.Library("flashdraft_test_fake", "DEF")
     library.define("widen(Tensor x) -> Tensor")

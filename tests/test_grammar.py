@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("xgrammar")
 
-from conftest import OracleProposer, byte_tokenizer, dflash_and_plain_servers, on_disk, tiny_model  # noqa: E402
+from conftest import OracleProposer, byte_tokenizer, dflash_and_plain_servers, on_disk, replan, tiny_model  # noqa: E402
 from flashdraft import (  # noqa: E402
     Constraint,
     DFlashDraftModel,
@@ -245,7 +245,7 @@ def test_batch_with_mixed_constraints_equals_each_row_alone(targets, temperature
     reference = targets["qwen3"]
     target = Target(reference.model, reference.tokenizer) if static else reference
     if static:
-        target.static_cache, target.compile_options = True, {"backend": "eager"}
+        replan(target, static_cache=True, compile_options={"backend": "eager"})
     prompts = [target.encode_prompt([{"role": "user", "content": f"{PROMPT} {i}"}]) for i in range(6)]
     formats = [CONSTRAINTS["json_schema"], None, CONSTRAINTS["regex"], CONSTRAINTS["choice"], None,
                CONSTRAINTS["ebnf"]]  # fmt: skip

@@ -132,9 +132,10 @@ def test_only_the_kernels_read_the_cpu_s_features():
 
 
 def test_the_kernel_switches_are_read_in_one_place():
-    """`$FLASHDRAFT_COMPILE`, `_FUSED_LAYERS`, `_ATTENTION`, `_ATTENTION_TILES`, `_PACKED_LINEAR`: kernels/switches.py."""
+    """`$FLASHDRAFT_COMPILE`, `_FUSED_LAYERS`, `_ATTENTION`, `_ATTENTION_TILES`, `_PACKED_LINEAR`: the kernel plan
+    (kernels/plan.py)."""
     read = re.compile(
         r"environ(?:\.get)?\W+[\"']FLASHDRAFT_(COMPILE|FUSED_LAYERS|ATTENTION|ATTENTION_TILES|PACKED_LINEAR)\b"
     )
     readers = sorted(str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if read.search(p.read_text()))
-    assert readers == ["kernels/switches.py"], readers
+    assert readers == ["kernels/plan.py"], readers

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import _common, byte_tokenizer, hybrid_config, running_server
+from conftest import _common, byte_tokenizer, hybrid_config, replan, running_server
 from flashdraft import DFlashDraftModel, Target, generate, generate_ar, generate_batch
 from flashdraft.targets.multimodal import ImageError, ImagePrompt, encode_image_prompt, load_image
 from flashdraft.targets.target import TargetError, load_target
@@ -198,7 +198,7 @@ def test_multimodal_rope_shift_is_kept_per_row_and_through_the_static_cache(fami
         shifts.append(target.rope_offset(p.inputs))
     assert all(s < 0 for s in shifts) and len(set(shifts)) > 1  # images take fewer positions than tokens
     static = Target(model)
-    static.static_cache = True  # the GPU default (and the compiled path's cache), here on the CPU
+    replan(static, static_cache=True)  # the GPU default (and the compiled path's cache), here on the CPU
     batch = generate_batch(static, drafter, prompts, N, block_size=4, stop_token_ids=[])
     assert [r.new_tokens for r in batch] == want
     # Without the shift the text after an image sits at the wrong positions: the same prompts then decode otherwise

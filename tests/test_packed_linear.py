@@ -22,6 +22,7 @@ from flashdraft import Target, load_target
 from flashdraft.drafter.model import DFlashDraftModel, draft_logits
 from flashdraft.engine.proposers import DFlashProposer
 from flashdraft.kernels import packed_linear as pl
+from flashdraft.kernels.plan import make_plan
 
 pytestmark = pytest.mark.skipif(not pl.available(), reason="this torch has no oneDNN fp32 linear")
 
@@ -69,16 +70,21 @@ def test_pack_and_unpack_keep_a_tied_head_tied():
 
 
 def test_what_is_packed():
-    model = tiny_model("llama")
     cpu = torch.device("cpu")
-    assert pl.wanted(model, torch.float32, cpu)
-    assert not pl.wanted(model, torch.bfloat16, cpu)  # bf16 already runs oneDNN's kernel through nn.Linear
-    assert not pl.wanted(model, torch.float32, torch.device("meta"))
+    assert make_plan(cpu, torch.float32).packed_linears
+    assert not make_plan(
+        cpu, torch.bfloat16
+    ).packed_linears  # bf16 already runs oneDNN's kernel through nn.Linear
+    assert not make_plan(torch.device("meta"), torch.float32).packed_linears
+    assert not make_plan(cpu, torch.float32, pack_linears=False).packed_linears  # training
+    assert not make_plan(cpu, torch.float32, compile=True).packed_linears  # inductor packs its own
 
 
 def test_the_environment_turns_packing_off(monkeypatch):
     monkeypatch.setenv("FLASHDRAFT_PACKED_LINEAR", "0")
-    assert not pl.wanted(tiny_model("llama"), torch.float32, torch.device("cpu"))
+    assert not make_plan(torch.device("cpu"), torch.float32).packed_linears
+    model = packed("llama")  # a model handed in packed is unpacked by a plan that does not pack
+    assert not Target(model).plan.packed_linears and not pl.is_packed(model)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5", "jamba"])  # hybrids: their mixers' linears too

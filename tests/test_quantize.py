@@ -24,14 +24,13 @@ from conftest import (
 )
 from flashdraft import Target, generate, generate_ar
 from flashdraft.drafter.model import DFlashDraftModel
+from flashdraft.kernels.plan import CpuOffer, check_quantize, make_plan
 from flashdraft.kernels.quantize import (
     PREFILL_GEMM_ROWS,
     Fp16Linear,
     Int8Linear,
     QuantizeError,
     _fp16_row_counts,
-    check_quantize,
-    default_dtype,
     fp16_available,
     prefill,
     quantize,
@@ -241,10 +240,13 @@ def test_what_int8_cannot_run_is_refused():
     with pytest.raises(QuantizeError, match="must be one of int8, w8a8, w8a16, fp16, got 'int4'"):
         check_quantize("int4", None, cpu)
     check_quantize("int8", torch.float32, cpu)  # fp32 activations: the compiled path's int8
-    # int8 runs bf16 activations, and fp32 ones compiled where the CPU has no bf16 instructions
-    bf16_cpu = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    assert default_dtype("int8") == torch.bfloat16 and default_dtype("fp16", compiled=True) == torch.float32
-    assert default_dtype("int8", compiled=True) == (torch.bfloat16 if bf16_cpu else torch.float32)
+    # int8 runs bf16 activations, and fp32 ones compiled where the CPU has no bf16 instructions (the plan's choice)
+    for bf16_cpu in (True, False):
+        offer = CpuOffer(bf16_math=bf16_cpu, untested_torch=None)
+        assert make_plan(cpu, None, "int8", offer=offer).dtype == torch.bfloat16
+        assert make_plan(cpu, None, "fp16", compile=True, offer=offer).dtype == torch.float32
+        want = torch.bfloat16 if bf16_cpu else torch.float32
+        assert make_plan(cpu, None, "int8", compile=True, offer=offer).dtype == want
     with pytest.raises(QuantizeError, match="runs bf16 activations .* not float16"):
         check_quantize("int8", torch.float16, cpu)
     with pytest.raises(QuantizeError, match="for CPUs"):
@@ -277,7 +279,8 @@ def test_an_fp32_int8_layer_is_the_kernel_s_product_eager_and_compiled():
     fp32 x int8 micro-kernel compiled.py registers), and both agree with ATen's int8 kernel to fp32 rounding."""
     from torch._dynamo.utils import counters
 
-    from flashdraft.engine.compiled import compile_options, compile_whole
+    from flashdraft.engine.compiled import compile_whole
+    from flashdraft.kernels.plan import compile_options
 
     torch.manual_seed(0)
     q = Int8Linear(nn.Linear(96, 200, bias=True), compute_dtype=torch.float32).eval()
@@ -299,7 +302,8 @@ def test_compiled_fp32_int8_layers_give_a_row_its_bits_at_any_row_count():
     engine compiles them: a row's outputs are the same bits whether 1 or up to 17 rows share the call (the template
     sums each row alone, in one order). The verify as a whole is not batch-invariant in fp32: its attention products
     go to ATen's GEMMs (benchmarks/README.md)."""
-    from flashdraft.engine.compiled import compile_options, compile_whole
+    from flashdraft.engine.compiled import compile_whole
+    from flashdraft.kernels.plan import compile_options
 
     torch.manual_seed(0)
     # each layer its own input, so none is fused with another (`_register_int8_concat_linear`); q / k / v as one
@@ -330,7 +334,9 @@ def test_compiled_int8_layers_reading_one_input_are_one_gemm_with_their_values(d
     pair kernel serves them (cpu_gemm.bf16_rows_kernel)."""
     from torch._dynamo.utils import counters
 
-    from flashdraft.engine.compiled import compile_options, compile_whole, int8_concat_row_dtypes
+    from flashdraft.engine.compiled import compile_whole
+    from flashdraft.kernels.inductor_passes import int8_concat_row_dtypes
+    from flashdraft.kernels.plan import compile_options
     from flashdraft.kernels.static_buffers import symbolic_sizes
 
     if dtype not in int8_concat_row_dtypes():
@@ -403,7 +409,7 @@ def test_compile_leaves_an_fp16_target_eager():
     target = Target(quantized("llama", scheme="fp16"))
     note = compile_verify(target)
     assert note is not None and "fp16" in note and "eagerly" in note
-    assert target.compile_options is None and not target.static_cache
+    assert not target.plan.compiled and not target.plan.static_cache
 
 
 @needs_fbgemm

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from conftest import VOCAB, OracleProposer, hybrid_model, tiny_model
+from conftest import VOCAB, OracleProposer, hybrid_model, replan, tiny_model
 from flashdraft import DFlashDraftModel, Target, generate_ar
 from flashdraft.engine.compiled import compile_verify, verify_forward
 from flashdraft.engine.compiled_draft import draft_block_pass
@@ -81,7 +81,7 @@ def decode_rows(target, model, prompts, limits, temperature, record=None, masks=
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_static_cache_decodes_what_plain_decoding_gives(models, arch, temperature):
     target = Target(models[arch])
-    target.static_cache = True
+    replan(target, static_cache=True)
     shapes = []
     got, alone, decoder = decode_rows(target, models[arch], *prompts_and_limits(11), temperature, shapes)
     assert decoder.static
@@ -96,7 +96,7 @@ def test_the_cpu_static_cache_attends_over_the_columns_in_use(models, temperatur
     """On a CPU the engine's mask covers the columns in use rounded up to MASK_STEP, not the whole capacity, and
     attention.py's attention reads only those: rows joining and leaving still get plain decoding's tokens."""
     target = Target(models["llama"])
-    target.static_cache = True
+    replan(target, static_cache=True)
     masks = []
     prompts = [[5 + (7 * i + j) % 90 for j in range(length)] for i, length in enumerate((70, 3, 140, 20, 64))]
     got, alone, decoder = decode_rows(
@@ -114,7 +114,7 @@ def test_one_row_keeps_its_buffers_and_moves_a_length(models):
     """A request alone: its capacity is fixed when it joins (prompt + max_new_tokens + block); every verify writes
     into the same buffers and a rollback only moves the length."""
     target = Target(models["llama"])
-    target.static_cache = True
+    replan(target, static_cache=True)
     prompt = list(range(3, 40))
     reference = generate_ar(Target(models["llama"]), prompt, 60, stop_token_ids=[]).new_tokens
     decoder = BatchDecoder(
@@ -191,7 +191,7 @@ def test_compiled_verify_is_a_few_whole_graphs(models, temperature):
 
     torch._dynamo.reset()
     target = Target(models["qwen3"])
-    target.static_cache, target.compile_options = True, EAGER_GRAPH
+    replan(target, static_cache=True, compile_options=EAGER_GRAPH)
     before = counters["stats"]["unique_graphs"]
     shapes = []
     for seed in (3, 4, 5):
@@ -214,7 +214,7 @@ def _traced_llama(models):
         model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1
     ).eval()
     target = Target(model)
-    target.static_cache, target.compile_options = True, EAGER_GRAPH
+    replan(target, static_cache=True, compile_options=EAGER_GRAPH)
     return model, draft, target
 
 
@@ -332,7 +332,7 @@ def test_a_drafter_beside_the_static_cache_decodes_rows_as_plain_decoding(
     want = [generate_ar(plain, p, m, temperature=temperature, seed=i, stop_token_ids=[]).new_tokens
             for i, (p, m) in enumerate(zip(prompts, limits, strict=True))]  # fmt: skip
     target = Target(model)
-    target.static_cache, target.compile_options = True, EAGER_GRAPH if compiled else None
+    replan(target, static_cache=True, compile_options=EAGER_GRAPH if compiled else None)
     got = generate_batch(target, draft, prompts, limits, temperature=temperature, stop_token_ids=[], block_size=8,
                          seed=list(range(5)), max_batch_size=3)  # fmt: skip
     assert [g.new_tokens for g in got] == want
@@ -349,12 +349,12 @@ def test_dflash_generate_is_the_same_compiled(models):
     reference = generate(Target(model), draft, prompt, max_new_tokens=40, stop_token_ids=[])
     target = Target(model)
     assert compile_verify(target) is None  # on a CPU: inductor's C++ kernels, weights frozen
-    assert target.compile_options["options"]["freezing"] is True
+    assert target.plan.compile_options["options"]["freezing"] is True
     # the cost model's cache key names the options the same in every process (no function address in it)
     assert "no_module_guards" in json.dumps(cost_key(target, draft)) and "0x" not in json.dumps(
         cost_key(target, draft)
     )
-    target.compile_options = EAGER_GRAPH
+    replan(target, compile_options=EAGER_GRAPH)
     for block_size in ("auto", 8):
         out = generate(target, draft, prompt, max_new_tokens=40, stop_token_ids=[], block_size=block_size)
         assert out.new_tokens == reference.new_tokens
@@ -371,7 +371,7 @@ def test_compiling_leaves_the_target_s_options_whole():
     key = json.dumps(cost_key(target, draft))
     verify_forward(target, draft.config.target_layer_ids)
     draft_block_pass(draft.eval(), target)
-    assert "guard_filter_fn" in target.compile_options["options"]
+    assert "guard_filter_fn" in target.plan.compile_options["options"]
     assert json.dumps(cost_key(target, draft)) == key
 
 
@@ -385,9 +385,9 @@ def test_static_verify_prices_the_bucket_lengths_and_the_engine_s_draft_pass(mod
         model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1
     ).eval()
     target = Target(model)
-    target.static_cache = True
+    replan(target, static_cache=True)
     if compiled:
-        target.compile_options = EAGER_GRAPH
+        replan(target, compile_options=EAGER_GRAPH)
     from flashdraft.engine.batched_dflash import BatchedDFlashProposer
     from flashdraft.engine.proposers import DFlashProposer
 
@@ -420,7 +420,7 @@ def test_targets_the_static_cache_cannot_serve_decode_as_before(models, make):
     target = Target(make(models))
     if target.unsupported_reason:  # recurrent targets decode on transformers 5.x only
         pytest.skip(target.unsupported_reason)
-    target.static_cache = True
+    replan(target, static_cache=True)
     decoder = BatchDecoder(target, PerRowProposers(lambda: OracleProposer([], VOCAB, 4, random.Random(0))))
     assert not decoder.static and decoder.verify is None
     note = compile_verify(target)
@@ -516,12 +516,12 @@ def test_cuda_graphs_decode_what_the_eager_gpu_path_decodes(models, block_size, 
     draft = draft.cuda().eval()
     prompts, limits = prompts_and_limits(9)
     eager = Target(model)
-    eager.static_cache = False
+    replan(eager, static_cache=False)
     want = generate_batch(
         eager, draft, prompts, limits, stop_token_ids=[], block_size=block_size, max_batch_size=3, tree=tree
     )
     target = Target(model)
-    assert compile_verify(target) is None and target.compile_options["options"]["triton.cudagraphs"]
+    assert compile_verify(target) is None and target.plan.compile_options["options"]["triton.cudagraphs"]
     for _ in range(2):  # the second run replays the graphs the first recorded
         got = generate_batch(target, draft, prompts, limits, stop_token_ids=[], block_size=block_size,
                              max_batch_size=3, tree=tree)  # fmt: skip
@@ -546,7 +546,7 @@ def test_the_static_cache_serves_only_what_it_is_verified_on(models, monkeypatch
     monkeypatch.setattr(
         config, "_attn_implementation", property(lambda self: "flash_attention_2"), raising=False
     )
-    assert "flash_attention_2" in compile_verify(target) and target.compile_options is None
+    assert "flash_attention_2" in compile_verify(target) and not target.plan.compiled
 
 
 @pytest.mark.parametrize("drafted", [False, True])
@@ -599,7 +599,7 @@ def _served_targets(model):
     from test_serve import MODEL, tiny_tokenizer
 
     target = Target(model, tiny_tokenizer(), name=MODEL)
-    target.static_cache, target.compile_options = True, EAGER_GRAPH
+    replan(target, static_cache=True, compile_options=EAGER_GRAPH)
     return Target(model, tiny_tokenizer(), name=MODEL), target
 
 

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import VOCAB, hybrid_model, tiny_model
+from conftest import VOCAB, hybrid_model, replan, tiny_model
 from flashdraft import DFlashDraftModel, SamplingParams, Target, generate, generate_ar, generate_batch
 from flashdraft.engine.batched_dflash import BatchedDFlashProposer
 from flashdraft.engine.costs import CostModel
@@ -309,7 +309,7 @@ def oracle_trees_decode_as_plain(target: Target, arch: str, static: bool, temper
     sampling = dict(temperature=temperature, top_p=0.9) if temperature else {}
     refs = references(target, prompts, limits, seeds=seeds, **sampling)
     proposer = OracleTreeProposer(refs, 10, random.Random(4))
-    target.static_cache = static
+    replan(target, static_cache=static)
     decoder = BatchDecoder(target, proposer, max_batch_size=3)
     assert decoder.static == static
     params = SamplingParams(temperature, sampling.get("top_p", 1.0))
@@ -473,12 +473,17 @@ def test_the_compiled_cpu_path_in_reduced_precision_verifies_trees_only_where_th
     """Compiled on a CPU in bf16, trees where attention_cpp's kernel and AMX or the pair GEMM kernel keep a
     node's bits (the next test); chains elsewhere, and in fp16 (the refusal is what the proposer and `--verbose`
     report). Eager bf16 and compiled fp32 keep trees."""
-    from flashdraft.engine.compiled import compile_options
     from flashdraft.engine.tree import tree_refusal
+    from flashdraft.kernels.plan import CpuOffer, make_plan
+
+    def compiled(target):  # the plan `--compile` makes, on this torch or another
+        return target.use_plan(
+            make_plan(target.device, target.dtype, compile=True, offer=CpuOffer(untested_torch=None))
+        )
 
     bf16 = Target(tiny_model("llama").to(torch.bfloat16))
     assert tree_refusal(bf16) is None
-    bf16.compile_options = compile_options(bf16.device)  # what compiled.compile_verify sets
+    assert compiled(bf16).compiled_cpu_reduced
     proposer = BatchedDFlashProposer(drafter(bf16.config).to(torch.bfloat16), bf16, block_size=5, tree=8)
     if _tree_exact_cpu():
         assert tree_refusal(bf16) is None and proposer.tree is not None
@@ -489,10 +494,10 @@ def test_the_compiled_cpu_path_in_reduced_precision_verifies_trees_only_where_th
         assert "compiled CPU path" in tree_refusal(bf16)
         assert proposer.tree is None and "compiled" in proposer.tree_note
     fp16 = Target(tiny_model("llama").to(torch.float16))
-    fp16.compile_options = compile_options(fp16.device)
+    compiled(fp16)
     assert "compiled CPU path" in tree_refusal(fp16)
     fp32 = Target(tiny_model("llama"))
-    fp32.compile_options = compile_options(fp32.device)
+    assert compiled(fp32).compiled
     assert tree_refusal(fp32) is None
 
 

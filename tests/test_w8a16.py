@@ -21,7 +21,8 @@ from conftest import (
 from flashdraft import Target
 from flashdraft.drafter.model import DFlashDraftModel
 from flashdraft.kernels import w8a16_cpp
-from flashdraft.kernels.quantize import QuantizeError, W8A16Linear, check_quantize, quantization_of, quantize
+from flashdraft.kernels.plan import check_quantize
+from flashdraft.kernels.quantize import QuantizeError, W8A16Linear, quantization_of, quantize
 
 needs_kernel = pytest.mark.skipif(
     not w8a16_cpp.prepare(), reason="the w8a16 kernel needs avx512_vnni and avx512_bf16 (and a C++ compiler)"
@@ -116,7 +117,8 @@ def test_compiled_w8a16_layers_of_one_input_are_one_call_and_keep_a_row_s_bits()
     whole tile stay apart (the first one's padding would shift the second one's outputs)."""
     from torch._dynamo.utils import counters
 
-    from flashdraft.engine.compiled import compile_options, compile_whole
+    from flashdraft.engine.compiled import compile_whole
+    from flashdraft.kernels.plan import compile_options
 
     torch.manual_seed(0)
     q, k, v, o = (W8A16Linear(nn.Linear(576, n, bias=False).to(torch.bfloat16)) for n in (576, 192, 192, 576))
@@ -239,7 +241,8 @@ def test_a_process_without_w8a16_layers_compiles_frozen_graphs():
         "import torch\n"
         "from torch import nn\n"
         "from flashdraft.kernels import w8a16_cpp\n"
-        "from flashdraft.engine.compiled import compile_options, compile_whole\n"
+        "from flashdraft.engine.compiled import compile_whole\n"
+        "from flashdraft.kernels.plan import compile_options\n"
         "layer = nn.Linear(64, 32).to(torch.bfloat16).eval()\n"
         "step = compile_whole(lambda x: layer(x), compile_options(torch.device('cpu')), weights=layer)\n"
         "with torch.no_grad():\n"

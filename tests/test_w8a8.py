@@ -25,11 +25,11 @@ from conftest import (
 )
 from flashdraft import Target
 from flashdraft.drafter.model import DFlashDraftModel
+from flashdraft.kernels.plan import check_quantize
 from flashdraft.kernels.quantize import (
     W8A8_ZERO_POINT,
     QuantizeError,
     W8A8Linear,
-    check_quantize,
     quantize,
     w8a8_available,
     w8a8_compiles,
@@ -100,7 +100,8 @@ def test_compiled_w8a8_layers_are_the_template_s_and_give_a_row_its_bits_at_any_
     are the same bits at 1 to 17 rows, and they are the layer's arithmetic."""
     from torch._dynamo.utils import counters
 
-    from flashdraft.engine.compiled import compile_options, compile_whole
+    from flashdraft.engine.compiled import compile_whole
+    from flashdraft.kernels.plan import compile_options
 
     torch.manual_seed(0)
     shapes = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 4000)]
@@ -184,13 +185,13 @@ def test_what_w8a8_cannot_run_is_refused_or_decodes_eagerly(monkeypatch):
     target = Target(model)
     note = compile_verify(target)
     assert note is not None and "avx512_vnni or AMX" in note and "decoding eagerly" in note
-    assert not target.static_cache
+    assert not target.plan.static_cache
     # options that would not freeze the weights or take the template: the same, named
     monkeypatch.setattr(quantize_module, "w8a8_compiles", lambda: True)
     monkeypatch.setenv("FLASHDRAFT_COMPILE", '{"options": {"max_autotune_gemm": true}}')
     note = compile_verify(target)
     assert note is not None and "C++ GEMM template" in note and "FLASHDRAFT_COMPILE" in note
-    assert not target.static_cache
+    assert not target.plan.static_cache
     assert_dflash_is_plain_decoding(
         target,
         DFlashDraftModel.for_target(model.config, num_layers=1, block_size=6, mask_token_id=VOCAB - 1, seed=3)
@@ -206,7 +207,8 @@ import json, sys, torch
 from torch import nn
 sys.path.insert(0, sys.argv[1])
 from test_w8a8 import reference
-from flashdraft.kernels.quantize import QuantizeError, W8A8Linear, _onednn_int8_product, check_quantize, w8a8_exact
+from flashdraft.kernels.quantize import QuantizeError, W8A8Linear, _onednn_int8_product, w8a8_exact
+from flashdraft.kernels.plan import check_quantize
 
 torch.manual_seed(0)
 worst = 0.0

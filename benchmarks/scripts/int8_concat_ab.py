@@ -1,5 +1,5 @@
 """A/B in one process: SmolLM2-135M `--quantize int8 --dtype bfloat16 --compile`, its verify with the int8 layers of
-one input as one GEMM each (q / k / v, gate / up: `compiled.int8_concat_row_dtypes` with bf16) against one GEMM per
+one input as one GEMM each (q / k / v, gate / up: `inductor_passes.int8_concat_row_dtypes` with bf16) against one GEMM per
 layer (fp32 rows only, as before 2026-11-29), after a 256-token prompt at 1, 2, 4 and 8 tokens: medians of
 interleaved runs, and whether the two targets' logits are equal bit for bit.
 Run: python benchmarks/scripts/int8_concat_ab.py"""
@@ -9,7 +9,7 @@ import time
 
 import torch
 
-import flashdraft.engine.compiled as C
+import flashdraft.kernels.inductor_passes as C
 from flashdraft.engine.measure import static_decoder
 from flashdraft.drafter.model import DFlashDraftModel
 from flashdraft.targets.target import load_target

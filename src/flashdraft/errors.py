@@ -18,6 +18,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from .engine.grammar import GrammarError
     from .engine.request import GenerationError
     from .extras import MissingExtraError
+    from .kernels.plan import KernelPlanError
     from .kernels.quantize import QuantizeError
     from .models.packs import PackError
     from .prompts.benchmarks import DatasetError
@@ -39,6 +40,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
         RemoteError,
         GenerationError,
         GrammarError,
+        KernelPlanError,
         PackError,
         PromptFormatError,
         QuantizeError,

@@ -54,10 +54,9 @@ def load_pipeline(
 ) -> Pipeline:
     """Load `target` (a pack name, local path or hub id) and the drafter `draft` (a directory or hub id; None: none),
     checked against each other before any weight is read. `quantize`, `compile`, `images`: as `load_target`'s
-    (`compile`: its verify compiled, `engine.compiled.compile_verify`). `draft_vocab`: the drafter's head over this
+    (`compile`: its verify compiled; the kernels are its plan's, `target.plan`). `draft_vocab`: the drafter's head over this
     many tokens (0: all; None: its own choice, drafter/vocab.py). `costs`: measure the price list now."""
-    from .engine.compiled import compile_verify
-    from .kernels.quantize import check_quantize
+    from .kernels.plan import check_quantize
     from .targets.target import load_target, parse_device, parse_dtype
 
     name = str(target)
@@ -69,7 +68,7 @@ def load_pipeline(
     )
     loaded.name = name
     loaded.check_decodable()
-    pipeline = Pipeline(loaded, compile_note=compile_verify(loaded) if compile else None)
+    pipeline = Pipeline(loaded, compile_note=loaded.plan.compile_note)
     if draft is not None:
         drafter = DFlashDraftModel.from_pretrained(draft, dtype=loaded.dtype, device=loaded.device)
         drafter.draft_vocab_size = draft_vocab

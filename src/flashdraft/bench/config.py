@@ -182,7 +182,7 @@ def validate_config(cfg: BenchConfig) -> None:
     if cfg.pld_tokens < 1:
         raise BenchError(f"--pld-tokens must be at least 1, got {cfg.pld_tokens}")
     if cfg.quantize is not None:  # refused before any load, as every command does
-        from ..kernels.quantize import check_quantize
+        from ..kernels.plan import check_quantize
         from ..targets.target import parse_device, parse_dtype
 
         check_quantize(cfg.quantize, parse_dtype(cfg.dtype), parse_device(cfg.device))

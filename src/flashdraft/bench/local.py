@@ -392,9 +392,7 @@ def _measure(
             ids = encode(
                 [{"role": "user", "content": first.user_turns[0]}], first.system, first.meta.get("images")
             )
-            warm_tokens = (
-                cfg.max_new_tokens if target.compile_options is not None else min(cfg.max_new_tokens, 16)
-            )
+            warm_tokens = cfg.max_new_tokens if target.plan.compiled else min(cfg.max_new_tokens, 16)
             for method in cfg.methods:
                 runner.run(method, ids, warm_tokens, cfg.seed)
 
@@ -532,8 +530,9 @@ def _local_results(
         "enable_thinking": cfg.thinking,
         "stop_token_ids": runner.stop_ids,
         "warmup": cfg.warmup,
-        "compile_verify": runner.target.compile_options is not None,
-        "static_cache": bool(runner.target.static_cache),
+        "compile_verify": runner.target.plan.compiled,
+        "static_cache": runner.target.plan.static_cache,
+        "kernels": runner.target.plan.describe(),
         "transformers_generation": runner.hf_generation_settings(),
         "llamacpp": runner.llamacpp.info() if runner.llamacpp is not None else None,
     }

@@ -144,9 +144,8 @@ def generate_command(
     import torch
 
     from ..drafter.checkpoint import load_drafter_config
-    from ..engine.compiled import compile_options
     from ..generate import GenerationError, generate, generate_ar
-    from ..kernels.quantize import check_quantize
+    from ..kernels.plan import make_plan
     from ..pipeline import check_pair
     from ..progress import busy_machine_warning, quiet_libraries
     from ..sampling import SamplingParams
@@ -169,9 +168,9 @@ def generate_command(
         raise GenerationError(f"--threads must be >= 1, got {threads}")
     dev = parse_device(device)
     torch_dtype = parse_dtype(dtype)
-    check_quantize(quantize, torch_dtype, dev)
-    if compile_verify:
-        compile_options(dev)  # a bad $FLASHDRAFT_COMPILE is named before anything loads
+    make_plan(
+        dev, torch_dtype, quantize, compile_verify
+    )  # a scheme or $FLASHDRAFT_COMPILE it cannot run, named
     draft_config = load_drafter_config(draft)
     verify = parse_block_size(block_size, draft_config.block_size)
     nodes = parse_tree(tree)
@@ -204,6 +203,7 @@ def generate_command(
             f"loaded {target} ({tgt.dtype}, {tgt.device}, {torch.get_num_threads()} threads) and drafter {draft} "
             f"in {load_s:.1f} s"
         )
+        console.print(f"kernels: {tgt.plan.describe()}")
         if note := tree_note(tgt, nodes):
             console.print(f"[yellow]note:[/] {note}")
     if images:

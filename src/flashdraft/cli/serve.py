@@ -66,7 +66,7 @@ def serve_command(
     require_extra("serve", "fastapi", "uvicorn", "prometheus_client")
     from ..drafter.checkpoint import load_drafter_config
     from ..generate import GenerationError
-    from ..kernels.quantize import check_quantize
+    from ..kernels.plan import check_quantize
     from ..serve import Engine, build_app, run_server
     from ..targets.target import parse_device, parse_dtype
 

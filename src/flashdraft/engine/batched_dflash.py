@@ -17,7 +17,6 @@ from ..sampling import DRAFT_STREAM, position_uniforms
 from ..targets.capabilities import uses_static_cache
 from ..targets.target import Target
 from .calibration import JUMP_FORWARD_MAX_TOKENS, calibration_for
-from .compiled import options_key
 from .compiled_draft import draft_block_pass, draft_context_pass, draft_head
 from .costs import CostModel, ObservedCosts
 from .grammar import steer_drafts
@@ -158,7 +157,7 @@ class BatchedDFlashProposer(BatchProposer):
         # graphs made): kept on the drafter as its graphs are, so a new proposer (a new batch) does not pay for a
         # pass the rates do not ask for
         made = self.draft.__dict__.setdefault("_flashdraft_passes_made", {})
-        self.passes_made: set[bool] = made.setdefault(options_key(target.compile_options), set())
+        self.passes_made: set[bool] = made.setdefault(target.plan.compile_key, set())
         # the cost model corrected by the step times observed (`online_costs=False`: by `costs` alone)
         self.prices = None if costs is None else ObservedCosts(costs, online_costs)
         self.policy = BatchPolicy(

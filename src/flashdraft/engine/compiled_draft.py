@@ -9,13 +9,13 @@ from typing import Any
 import torch
 
 from ..kernels.static_buffers import symbolic_sizes
-from .compiled import compile_whole, fresh, options_key, run_compiled
+from .compiled import compile_whole, fresh, run_compiled
 
 
 def draft_block_pass(draft: Any, target: Any) -> Any:
-    """The drafter's block pass compiled as the target's verify is (`target.compile_options`; None: eager), made
+    """The drafter's block pass compiled as the target's verify is (`target.plan.compile_options`; None: eager), made
     once per drafter and target. Its output is copied: a replayed graph writes into the same memory next time."""
-    if target.compile_options is None:
+    if not target.plan.compiled:
         return None
     return _once_per_options(draft, "_flashdraft_block_passes", target, _make_block_pass)
 
@@ -23,9 +23,9 @@ def draft_block_pass(draft: Any, target: Any) -> Any:
 def _once_per_options(draft: Any, store: str, target: Any, make: Any) -> Any:
     """`make(draft, options)` for this drafter and the target's compile options, made once and kept on the drafter."""
     made = draft.__dict__.setdefault(store, {})
-    key = options_key(target.compile_options)
+    key = target.plan.compile_key
     if key not in made:
-        made[key] = make(draft, target.compile_options)
+        made[key] = make(draft, target.plan.compile_options)
     return made[key]
 
 
@@ -59,7 +59,7 @@ def draft_context_pass(draft: Any, target: Any) -> Any:
     (benchmarks/README.md, 2026-11-29). One graph for any rows and width: a width of one (a step that accepted no
     draft) goes in doubled. CPU only: a prompt's whole width comes through here once, and a GPU's CUDA graphs
     would record one per width."""
-    if target.compile_options is None or target.device.type != "cpu":
+    if not target.plan.compiled or target.device.type != "cpu":
         return None
     return _once_per_options(draft, "_flashdraft_context_passes", target, _make_context_pass)
 
@@ -125,7 +125,7 @@ def draft_head(
     most of a CPU draft pass: 25 of 34 ms for SmolLM2's 15 slots through MKL on a 2-core AMD EPYC, 8 ms through
     inductor's GEMM template (the module docstring). `vocab`: (ids, V) where the head covers the drafter's
     vocabulary only (vocab.py): the logits come out expanded to V columns, -inf at the others."""
-    if target.compile_options is None:
+    if not target.plan.compiled:
         return None
     from ..drafter.model import draft_logits, scale_draft_logits
     from ..drafter.vocab import expand_logits, vocabulary_key
@@ -133,7 +133,7 @@ def draft_head(
 
     scaling = (config.output_multiplier, config.final_logit_softcapping)
     precision = weight.dtype if module is None else (type(module).__name__, module.compute_dtype)
-    key = (options_key(target.compile_options), precision, scaling, vocabulary_key(vocab))
+    key = (target.plan.compile_key, precision, scaling, vocabulary_key(vocab))
     heads = target.model.__dict__.setdefault("_flashdraft_draft_heads", {})
     if key in heads:
         return heads[key]
@@ -175,8 +175,8 @@ def draft_head(
 
         return run
 
-    with_logits = compile_whole(logits_and_drafts, target.compile_options, weights=holder)
-    drafts_only = compile_whole(drafts, target.compile_options, weights=holder)
+    with_logits = compile_whole(logits_and_drafts, target.plan.compile_options, weights=holder)
+    drafts_only = compile_whole(drafts, target.plan.compile_options, weights=holder)
     with_top: dict[int, Any] = {}  # per k: dynamo would guard on it anyway
 
     def run(hidden: torch.Tensor, logits: bool = True, top: int = 0) -> tuple[torch.Tensor | None, ...]:
@@ -186,7 +186,9 @@ def draft_head(
         symbolic_sizes(hidden, 0)  # rows x slots
         if top and not logits:
             if top not in with_top:
-                with_top[top] = compile_whole(drafts_and_top(top), target.compile_options, weights=holder)
+                with_top[top] = compile_whole(
+                    drafts_and_top(top), target.plan.compile_options, weights=holder
+                )
             out = run_compiled(with_top[top], "the drafter's LM head", hidden)
         else:
             out = run_compiled(with_logits if logits else drafts_only, "the drafter's LM head", hidden)

@@ -152,8 +152,8 @@ class BatchDecoder:
         # Draft trees (tree.py): why this target cannot verify them exactly, if it cannot; a sliding window's size.
         self.tree_refusal, self.tree_window = tree_refusal(target), tree_window(target)
         on_gpu = target.device.type == "cuda"
-        # The static cache (kv_cache.py): on a GPU by default, where the target allows it (`target.static_cache`
-        # forces it either way: the tests run it on the CPU).
+        # The static cache (kv_cache.py): the target's kernel plan says (compiled, or on a GPU), where the target
+        # allows it (tests run it on the CPU eagerly: `target.use_plan(target.plan.replace(static_cache=True))`).
         self.static = uses_static_cache(target)
         self.verify = verify_forward(target, proposer.tap_layer_ids) if self.static else None
         self.narrow_mask = self.static and attention.narrow_mask(target.model, target.device, target.dtype)

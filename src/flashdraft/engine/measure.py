@@ -23,8 +23,8 @@ from ..drafter.vocab import drafter_vocabulary, vocabulary_key
 from ..files import atomic_write_text
 from ..kernels import attention as short_query
 from ..kernels.cpu_info import cpu_name  # noqa: F401 - what a price list is cached under (benchmarks read it here)
-from ..kernels.packed_linear import PackedLinear, is_packed
-from ..kernels.quantize import Fp16Linear, Int8Linear
+from ..kernels.packed_linear import is_packed
+from ..kernels.plan import is_kernel_linear
 from .costs import CostModel
 
 VERIFY_LENGTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
@@ -40,7 +40,7 @@ PRICE_BUDGET_S = 60.0
 COST_MODEL_VERSION = 8  # 3: the machine named with its vector extensions (cpu_name); 4: beside a static
 # cache the draft pass is timed through the engine's own proposer (its compiled block pass, if compiled); 5: the
 # draft head's price per slot (draft_slot_s); 6: on a CPU in fp32 the static verify reads only the columns in use
-# (attention.narrow_mask), and int8 layers of one input are one GEMM (compiled._register_int8_concat_linear);
+# (attention.narrow_mask), and int8 layers of one input are one GEMM (kernels/inductor_passes.py);
 # 7: the interleaved rounds alternate their order (interleaved_medians), so no length is timed after a far longer one;
 # 8: no length priced above a longer one (no_dearer_than_longer)
 
@@ -57,13 +57,13 @@ def cost_cache_dir() -> Path:
 def cost_key(target: Any, draft: Any) -> dict[str, Any]:
     """What the timings depend on: machine, threads, library versions, model shapes and dtypes."""
     from ..targets.capabilities import uses_static_cache
-    from .compiled import kernels_tag, options_key
+    from .compiled import kernels_tag
 
     device = target.device
     verify = {}
     if uses_static_cache(target):  # priced as the engine runs it: static cache, compiled or not
-        verify = {"verify": {"static_cache": True, "compile": options_key(target.compile_options)}}
-        if target.compile_options is not None:  # priced with the kernels this version of compiled.py chooses
+        verify = {"verify": {"static_cache": True, "compile": target.plan.compile_key}}
+        if target.plan.compiled:  # priced with the kernels this version of compiled.py chooses
             verify["verify"]["kernels"] = kernels_tag()
     quantize = getattr(target, "quantize", None)  # int8 weights cost another price list than the bf16 ones
     # attention.py's short-query attention (on a CPU) prices verifies unlike transformers' SDPA function does
@@ -214,14 +214,14 @@ def measure_costs(
     head_s = {}
     for dtype in {weight.dtype, torch.bfloat16}:
         x = rows.to(dtype)
-        packed = dtype == weight.dtype and isinstance(target.lm_head, (PackedLinear, Fp16Linear, Int8Linear))
+        packed = dtype == weight.dtype and is_kernel_linear(target.lm_head)
         if packed:  # the proposer runs it as it is
             head = target.lm_head
         else:
             head = functools.partial(torch.nn.functional.linear, weight=weight.to(dtype))
         head_s[str(dtype).removeprefix("torch.")] = median_seconds(lambda h=head, x=x: h(x), 5)
     draft_dtype = min(head_s, key=head_s.get)
-    if static and target.compile_options is not None and device.type == "cpu":
+    if static and target.plan.compiled and device.type == "cpu":
         # Compiled on a CPU the drafter's head runs through inductor's GEMM template in the target's precision (8 ms
         # for SmolLM2's fp32 head on an avx2 EPYC); the eager products timed above do not price it, and a bf16 head
         # without bf16 instructions takes ATen's kernel: auto steps of 100-130 ms against 37 at a fixed block.

@@ -40,8 +40,7 @@ from ..drafter.model import (
     scale_draft_logits,
 )
 from ..drafter.vocab import drafter_vocabulary, expand_logits, restrict_head, vocabulary_key
-from ..kernels.packed_linear import PackedLinear
-from ..kernels.quantize import Fp16Linear, Int8Linear
+from ..kernels.plan import is_kernel_linear
 from ..targets.target import Target, TargetError
 
 if TYPE_CHECKING:
@@ -117,7 +116,7 @@ class DFlashProposer(Proposer):
         head = target.lm_head
         # A head packed for oneDNN (packed_linear.py), for fbgemm's fp16 GEMM or quantized to int8 (quantize.py)
         # runs as it is, in its own precision: its dense weight may not exist, or be four times its bytes.
-        packed = isinstance(head, (PackedLinear, Fp16Linear, Int8Linear)) and dtype in (
+        packed = is_kernel_linear(head) and dtype in (
             None,
             head.compute_dtype,
         )

@@ -208,7 +208,7 @@ def tree_refusal(target: Any) -> str | None:
         return f"a model family ({family}) trees are not verified on (they are: {', '.join(TREE_FAMILIES)})"
     # logit soft-capping sends attention.py's short queries to SDPA, around the kernel that keeps a node's bits
     softcap = getattr(target.config, "attn_logit_softcapping", None)
-    if _compiled_cpu_reduced(target) and (softcap or not _tree_invariant(target.dtype)):
+    if target.plan.compiled_cpu_reduced and (softcap or not target.plan.trees_exact):
         # Its chains keep a one-token step's bits (tests/test_static_cache.py); a tree verify is shown to only with
         # attention_cpp's kernel and the pair GEMM kernel (tests/test_tree.py); before them, 1 of 24 bench outputs
         # with trees parted from plain decoding on a near-tie (benchmarks/README.md).
@@ -224,23 +224,7 @@ def tree_budget(target: Any, nodes: int) -> int:
     SDPA, whose bits are not a one-token step's)."""
     from ..kernels.attention import SHORT_QUERY
 
-    return min(nodes, SHORT_QUERY - 1) if _compiled_cpu_reduced(target) else nodes
-
-
-def _compiled_cpu_reduced(target: Any) -> bool:
-    """Whether `target` verifies on the compiled CPU path in reduced precision (bf16 / fp16)."""
-    compiled_cpu = getattr(target, "compile_options", None) is not None and target.device.type == "cpu"
-    return compiled_cpu and target.dtype in (torch.bfloat16, torch.float16)
-
-
-def _tree_invariant(dtype: torch.dtype) -> bool:
-    """Whether the compiled CPU verify in `dtype` gives a tree's node the bits of its path's one-token steps: the
-    attention through attention_cpp's kernel (hidden columns add nothing, wherever they are), and the linears
-    through AMX or gemm_templates's pair kernel (`bf16_rows_kernel`: a row's bits whatever the rows beside it)."""
-    from ..kernels.attention import kernel_ready
-    from ..kernels.gemm_templates import bf16_rows_kernel
-
-    return kernel_ready(dtype) and bf16_rows_kernel() is not None
+    return min(nodes, SHORT_QUERY - 1) if target.plan.compiled_cpu_reduced else nodes
 
 
 def tree_window(target: Any) -> int | None:

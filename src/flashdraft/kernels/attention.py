@@ -161,17 +161,9 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, sdpa_mask)
 
 
-def wanted(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, compiled: bool = False) -> bool:
-    """Whether a target runs the short-query attention: on a CPU, where the model runs SDPA, in bf16 or fp32 or
-    `compiled` (any dtype), unless `$FLASHDRAFT_ATTENTION` is "sdpa" (transformers' SDPA function for every query,
-    as before)."""
-    from .switches import short_query_attention
-
-    if not short_query_attention():
-        return False
-    attention = getattr(model.config, "_attn_implementation", None)
-    cpu_dtype = dtype in (torch.bfloat16, torch.float32)
-    return device.type == "cpu" and (cpu_dtype or compiled) and attention in ("sdpa", NAME)
+def runs_sdpa(model: torch.nn.Module) -> bool:
+    """Whether `model` runs transformers' SDPA function (or this module's attention already): what `use` switches."""
+    return getattr(model.config, "_attn_implementation", None) in ("sdpa", NAME)
 
 
 def use(model: torch.nn.Module, dtype: torch.dtype | None = None) -> None:

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from . import cpp_build, switches
+from . import cpp_build
 
 # the engine's dtype (attention.KERNEL_DTYPES), and the tests'
 DTYPES = {torch.bfloat16: "at::BFloat16", torch.float32: "float"}
@@ -88,18 +88,17 @@ def source() -> str:
     return prelude + "".join(kernels) + operator
 
 
-def prepare(dtype: torch.dtype) -> bool:
+def prepare(dtype: torch.dtype, tiles: bool = True) -> bool:
     """Build (or load from inductor's cache) the library, whose loading registers the operator's CPU kernel, outside
     any graph being traced; False for a dtype it has no kernel for, or where it cannot be built (no C++ compiler,
-    another torch): attention.py then keeps its two products."""
+    another torch): attention.py then keeps its two products. `tiles`: bf16 scores on AMX's tiles where the CPU
+    grants them, decided at the build (the kernel plan builds it first, passing `$FLASHDRAFT_ATTENTION_TILES`)."""
     global _built, _loaded, _tiles
     if _built is None:
         _loaded = cpp_build.load(source(), "the CPU attention kernel (using two products)")
         _built = _loaded is not None
         if _built:
-            _tiles = bool(
-                _loaded.flashdraft_attention_amx(int(switches.attention_tiles() and torch.cpu._init_amx()))
-            )
+            _tiles = bool(_loaded.flashdraft_attention_amx(int(tiles and torch.cpu._init_amx())))
     return ready(dtype)
 
 

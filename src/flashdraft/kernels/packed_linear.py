@@ -23,8 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import switches
-
 
 def available() -> bool:
     """torch has oneDNN's packed fp32 linear here (its x86 builds do)."""
@@ -34,15 +32,6 @@ def available() -> bool:
         and hasattr(ops, "_linear_pointwise")
         and hasattr(ops, "_reorder_linear_weight")
     )
-
-
-def wanted(model: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
-    """Pack this model's linears: fp32 on a CPU, oneDNN present, not turned off by the environment."""
-    if not switches.packed_linears():
-        return False
-    if device.type != "cpu" or dtype != torch.float32 or not available():
-        return False
-    return not _sharded(model)
 
 
 class PackedLinear(nn.Module):
@@ -103,7 +92,7 @@ def is_packed(model: nn.Module) -> bool:
     return any(isinstance(m, PackedLinear) for m in model.modules())
 
 
-def _sharded(model: nn.Module) -> bool:
+def is_sharded(model: nn.Module) -> bool:
     """A sharded model's parameters are DTensors (sharding.py): one rank holds no whole weight to pack."""
     if not torch.distributed.is_available():
         return False
@@ -122,4 +111,4 @@ def _replace(model: nn.Module, kind: type, make) -> int:
     return replaced
 
 
-__all__ = ["PackedLinear", "available", "is_packed", "pack_linears", "unpack_linears", "wanted"]
+__all__ = ["PackedLinear", "available", "is_packed", "pack_linears", "unpack_linears", "is_sharded"]

@@ -488,49 +488,6 @@ def fp16_available() -> bool:
     )
 
 
-def default_dtype(scheme: str, compiled: bool = False) -> torch.dtype:
-    """The dtype a quantized model runs in around its quantized layers: fp32 for fp16 weights; for int8 ones bf16,
-    but fp32 when `compiled` on a CPU without bf16 instructions (avx512_bf16 or AMX), where bf16 is emulated and
-    inductor's GEMM template multiplies fp32 rows by the int8 weights (benchmarks/README.md, 2026-11-28)."""
-    if scheme == "fp16":
-        return torch.float32
-    if compiled and not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
-        return torch.float32
-    return torch.bfloat16
-
-
-def check_quantize(scheme: str | None, dtype: torch.dtype | None, device: torch.device) -> None:
-    """Refuse, in one line and before loading, what a scheme cannot run fast or at all."""
-    if scheme is None:
-        return
-    if scheme not in QUANTIZE_SCHEMES:
-        raise QuantizeError(f"--quantize must be one of {', '.join(QUANTIZE_SCHEMES)}, got {scheme!r}")
-    if device.type != "cpu":
-        raise QuantizeError(
-            f"--quantize {scheme} is for CPUs (torch's {scheme} weight kernel); on a GPU run bf16"
-        )
-    if scheme == "fp16":
-        if not fp16_available():
-            raise QuantizeError(
-                "--quantize fp16 needs fbgemm's fp16 kernel, which this torch lacks (x86 builds have it)"
-            )
-        if dtype is not None and dtype != torch.float32:
-            raise QuantizeError(
-                f"--quantize fp16 runs fp32 activations around its fp16 weights, not "
-                f"{str(dtype).removeprefix('torch.')}: use --dtype float32 or leave --dtype out"
-            )
-        return
-    if scheme == "w8a8" and not w8a8_exact():
-        raise QuantizeError(w8a8_refusal())
-    if scheme == "w8a16" and not w8a16_available():
-        raise QuantizeError(w8a16_refusal())
-    if dtype is not None and dtype not in (torch.bfloat16, torch.float32):
-        raise QuantizeError(
-            f"--quantize {scheme} runs bf16 activations (or fp32 ones), not "
-            f"{str(dtype).removeprefix('torch.')}: use --dtype bfloat16, float32, or leave --dtype out"
-        )
-
-
 @torch.no_grad()
 def quantize_int8(model: nn.Module) -> int:
     """Replace every nn.Linear of `model` (a bf16 model) by an Int8Linear in place; returns how many."""

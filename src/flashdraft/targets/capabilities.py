@@ -49,7 +49,6 @@ def static_capable(target: Any) -> bool:
 
 
 def uses_static_cache(target: Any) -> bool:
-    """Whether the engine verifies on `target` through the static cache: `target.static_cache`, by default on a GPU,
-    where the target allows it."""
-    wanted = target.device.type == "cuda" if target.static_cache is None else target.static_cache
-    return bool(wanted) and static_capable(target)
+    """Whether the engine verifies on `target` through the static cache: its kernel plan's choice (compiled, or on a
+    GPU), where the target allows it."""
+    return target.plan.static_cache and static_capable(target)

@@ -19,7 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..kernels.plan import KernelPlan, make_plan, prepare_model
 from ..kernels.quantize import prefill as quantize_prefill
+from .capabilities import static_refusal
+from .devices import DTYPE_ALIASES, DTYPES, default_device, default_dtype, parse_device, parse_dtype  # noqa: F401
 from .model_parts import (  # TargetError lives there (decoder_layers raises it); the package imports it from here
     TargetError,
     causal_lm_class,
@@ -49,10 +52,17 @@ class Target:
     """A frozen target model: `embed`, `lm_head_logits`, `forward` with layer taps, and cache rollback."""
 
     def __init__(
-        self, model: nn.Module, tokenizer: Any = None, name: str | None = None, processor: Any = None
+        self,
+        model: nn.Module,
+        tokenizer: Any = None,
+        name: str | None = None,
+        processor: Any = None,
+        plan: KernelPlan | None = None,
     ) -> None:
         """`processor` (image-text targets): the Hugging Face processor that turns images and text into the model's
-        inputs (multimodal.py); its tokenizer is the target's when `tokenizer` is None."""
+        inputs (multimodal.py); its tokenizer is the target's when `tokenizer` is None. `plan`: the kernels it runs
+        on (kernels/plan.py, `load_target` makes it before loading); None: planned for the model as it is given
+        (its device, dtype and quantization, eager, its linears packed only if they are)."""
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -109,21 +119,30 @@ class Target:
             else None
         )
         self._continues: bool | None = None  # probed on the first verify of a recurrent target
-        # How the engine verifies on this target (kv_cache.py): the static cache (None: on a GPU, where the target
-        # allows it), and torch.compile's options for its verify (None: eager; inductor's triton.cudagraphs: CUDA
-        # graphs).
-        self.static_cache: bool | None = None
-        self.compile_options: dict[str, Any] | None = None
-        from ..kernels.quantize import quantization_of
+        if plan is None:  # the model as it is given: its linears packed for oneDNN only if they are already
+            from ..kernels.packed_linear import is_packed
+            from ..kernels.quantize import quantization_of
 
-        # "int8" / "fp16": its linear layers are quantize.Int8Linear / Fp16Linear (the cost model and the reports
-        # key on it)
-        self.quantize: str | None = quantization_of(model)
-        from ..kernels import attention
+            plan = make_plan(self.device, self.dtype, quantization_of(model), pack_linears=is_packed(model))
+        self.plan = plan
+        self.use_plan(plan)
 
-        # bf16 on a CPU: short queries (decode steps, verifies) through attention.py's batch-invariant products
-        if attention.wanted(model, self.dtype, self.device):
-            attention.use(model, self.dtype)
+    def use_plan(self, plan: KernelPlan) -> KernelPlan:
+        """Run on `plan`'s kernels from now on: the plan fitted to this target (a family the static cache does not
+        serve decodes eagerly, the plan's `compile_note` saying why) and the model's modules prepared by it, before
+        anything is traced. Returns the plan kept (`self.plan`)."""
+        if plan.static_cache and (reason := static_refusal(self)) is not None:
+            plan = plan.declined(f"{self.name} has {reason}, which the static cache does not serve")
+        self.plan = plan
+        if prepare_model(self.model, plan):  # the head packed or unpacked: read it again
+            self.lm_head = self.model.get_output_embeddings()
+        return plan
+
+    @property
+    def quantize(self) -> str | None:
+        """The quantization scheme of its linear layers ("int8", "w8a8", "w8a16", "fp16"; kernels/quantize.py), or
+        None: what the cost model and the reports key on."""
+        return self.plan.quantize
 
     def check_decodable(self) -> None:
         """Refuse, before anything is decoded, a target whose cache cannot be rolled back exactly (training, which
@@ -534,52 +553,6 @@ def check_drafter_fits_config(draft_config: Any, target_config: Any, target_name
     check_drafter_fits(draft_config, *sizes, target_name)
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_ALIASES = dict(fp32="float32", float="float32", bf16="bfloat16", fp16="float16", half="float16")
-
-
-def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    """A torch dtype from its name (`float32`, `bfloat16`, `float16`, also `fp32`/`bf16`/`fp16`); None stays None."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    name = str(dtype).strip().lower().removeprefix("torch.")
-    name = DTYPE_ALIASES.get(name, name)
-    if name not in DTYPES:
-        raise TargetError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-    return DTYPES[name]
-
-
-def parse_device(device: str | torch.device | None) -> torch.device:
-    """A usable torch device (default: cuda when available, else cpu); a clear error for one this machine lacks."""
-    if device is None:
-        return torch.device(default_device())
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise TargetError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise TargetError(
-                f"device {device!r} asked for, but this torch ({torch.__version__}) sees no CUDA GPU; use --device cpu"
-            )
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise TargetError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
-    elif dev.type != "cpu" and dev.type != "mps":
-        raise TargetError(f"unsupported device {device!r}; use cpu or cuda")
-    elif dev.type == "mps" and not torch.backends.mps.is_available():
-        raise TargetError(f"device {device!r} asked for, but MPS is not available here")
-    return dev
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def default_dtype(device: str | torch.device) -> torch.dtype:
-    # bf16 is slower than fp32 for small-batch matmuls on CPUs without AMX; on GPUs bf16 is the norm.
-    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-
-
 def load_target(
     name_or_path: str,
     dtype: torch.dtype | str | None = None,
@@ -597,17 +570,16 @@ def load_target(
     None: only where transformers has no text-only class for it (Qwen3-VL, LLaVA, Idefics3, ...), so a Qwen3.5
     composite loads its language model alone unless images are asked for. `pack_linears`: an fp32 target on a CPU
     runs its linear layers through oneDNN with packed weights (packed_linear.py; False for training). `compiled`: it
-    will decode through `--compile` (with `quantize`, the dtype left out follows: quantize.default_dtype)."""
+    will decode through `--compile`. What runs how is the kernel plan's choice (kernels/plan.py: the dtype left out
+    too), made before any weight is read: what cannot run exactly is refused then, in one line."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-    from ..kernels.quantize import check_quantize
-    from ..kernels.quantize import default_dtype as quantized_dtype
     from ..kernels.quantize import quantize as quantize_model
     from ..models.packs import resolve_model
 
     device = parse_device(device)
-    check_quantize(quantize, parse_dtype(dtype), device)
-    dtype = parse_dtype(dtype) or (quantized_dtype(quantize, compiled) if quantize else default_dtype(device))
+    plan = make_plan(device, parse_dtype(dtype), quantize, compiled, pack_linears=pack_linears)
+    dtype = plan.dtype
     path = resolve_model(name_or_path, auto_fetch=auto_fetch)
     processor = None
     try:
@@ -637,9 +609,4 @@ def load_target(
     model = model.to(device)
     if quantize:
         quantize_model(model, quantize)
-    if pack_linears:
-        from ..kernels import packed_linear
-
-        if packed_linear.wanted(model, dtype, device):
-            packed_linear.pack_linears(model)
-    return Target(model, tokenizer, name=name_or_path, processor=processor)
+    return Target(model, tokenizer, name=name_or_path, processor=processor, plan=plan)

@@ -190,7 +190,8 @@ class Trainer:
             )
         self.draft = draft.to(self.device).float().train()
         if config.compile:
-            from ..engine.compiled import compile_options, fresh_options
+            from ..engine.compiled import fresh_options
+            from ..kernels.plan import compile_options
 
             options = compile_options(self.device, training=True)  # no CUDA graphs, nothing frozen:
             for layer in self.draft.layers:  # shapes change with every micro-batch
