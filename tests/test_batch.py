@@ -10,8 +10,9 @@ import torch
 from conftest import ARCHS, VOCAB, OracleProposer, tiny_model
 from flashdraft import DFlashDraftModel, GenerationError, Target, generate, generate_ar
 from flashdraft.engine.batched_dflash import BatchedDFlashProposer
-from flashdraft.engine.decoder import BatchDecoder, BatchRow
+from flashdraft.engine.decoder import BatchDecoder
 from flashdraft.engine.proposers import DFlashProposer, PerRowProposers
+from flashdraft.engine.request import BatchRow
 from flashdraft.generate import generate_batch
 from flashdraft.sampling import SamplingParams
 

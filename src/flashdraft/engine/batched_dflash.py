@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -23,7 +23,7 @@ from .grammar import steer_drafts
 from .lookup import LookupIndex
 from .policy import BatchPolicy, expected_tokens, extended
 from .proposers import BatchProposer, DFlashProposer, Paths
-from .request import GenerationError
+from .request import BatchRow, GenerationError
 from .tree import (
     DraftTree,
     add_branch,
@@ -34,10 +34,6 @@ from .tree import (
     tree_refusal,
     tree_window,
 )
-
-if TYPE_CHECKING:
-    from .decoder import BatchRow
-
 
 # "match": deterministic (greedy) drafts accepted where they equal the target's seed-keyed sample (seed-exact);
 # "pq": at T > 0, drafts sampled from the drafter's distribution and verified by speculative sampling.

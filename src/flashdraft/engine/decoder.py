@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -65,7 +64,7 @@ from .kv_cache import (
     set_length,
     static_mask,
 )
-from .request import GenerationError, GenerationResult, check_request
+from .request import BatchRow, GenerationError, GenerationResult, check_request, sync
 from .tree import block_layout, depths, tree_refusal, tree_window, verify_tree
 
 if TYPE_CHECKING:
@@ -80,50 +79,6 @@ def cut_emitted(emitted: list[int], remaining: int, stops: set[int]) -> tuple[li
         if tok in stops:
             return emitted[: i + 1], True
     return emitted, False
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@dataclass(eq=False)
-class BatchRow:
-    """One sequence of the batch: its request, its progress and its result."""
-
-    prompt: torch.Tensor  # [1, P]
-    max_new_tokens: int
-    sampling: SamplingParams
-    stops: set[int]
-    seed: int
-    on_tokens: Callable[[list[int]], Any] | None = None
-    tokens: list[int] = field(default_factory=list)  # generated so far
-    history: list[int] = field(default_factory=list)  # prompt + generated (for lookup proposers)
-    result: GenerationResult | None = None
-    done: bool = False
-    started: float = 0.0  # when its prefill ended (its decode time counts from there)
-    tag: Any = None  # the caller's (e.g. the server's request handle)
-    grammar: RowGrammar | None = None  # structured output: the row's matcher (grammar.py)
-    rope_offset: int = 0  # multimodal RoPE: its text positions' shift after its images (Target.rope_offset)
-
-    @property
-    def anchor_position(self) -> int:
-        """Position of the anchor (the last fixed token, not yet in the cache) = tokens the cache holds."""
-        return self.prompt.shape[1] + len(self.tokens) - 1
-
-    def uniforms(self, start: int, count: int) -> torch.Tensor | None:
-        return None if self.sampling.greedy else position_uniforms(self.seed, start, count)
-
-    def finish(self, reason: str | None = None) -> None:
-        self.done = True
-        _sync(self.prompt.device)
-        if reason:
-            self.result.stop_reason = reason
-        self.result.decode_s = time.perf_counter() - self.started
-        device = self.prompt.device
-        self.result.sequences = torch.cat(
-            [self.prompt, torch.tensor([self.tokens], dtype=torch.long, device=device)], dim=1
-        )
 
 
 # ---------------------------------------------------------------------------------------------------------- decoder
@@ -203,7 +158,7 @@ class BatchDecoder:
             seed = int(torch.randint(0, 2**62, ()).item())
         stops = set(self.target.eos_token_ids if stop_token_ids is None else stop_token_ids)
         row = BatchRow(ids, max_new_tokens, sampling, stops, seed, on_tokens, tag=tag, grammar=grammar)
-        _sync(self.target.device)
+        sync(self.target.device)
         t0 = time.perf_counter()
         cache = batch_cache(self.target)
         out = self.target.forward(
@@ -223,7 +178,7 @@ class BatchDecoder:
         row.history.extend([*ids[0].tolist(), first])
         if grammar is not None:
             grammar.advance([first])
-        _sync(self.target.device)
+        sync(self.target.device)
         row.started = time.perf_counter()
         row.result = GenerationResult(sequences=ids, prompt_length=prompt_len, prefill_s=row.started - t0)
         reason = None
@@ -598,4 +553,4 @@ class BatchDecoder:
         return finished
 
 
-__all__ = ["BatchDecoder", "BatchRow", "cut_emitted"]
+__all__ = ["BatchDecoder", "cut_emitted"]

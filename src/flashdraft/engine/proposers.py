@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -42,10 +42,7 @@ from ..drafter.model import (
 from ..drafter.vocab import drafter_vocabulary, expand_logits, restrict_head, vocabulary_key
 from ..kernels.plan import is_kernel_linear
 from ..targets.target import Target, TargetError
-
-if TYPE_CHECKING:
-    from .decoder import BatchRow
-
+from .request import BatchRow
 
 # Per row, the proposals of a draft tree the target accepted (tree.py), None for a chain; None: no tree rows.
 Paths = list[list[int] | None] | None

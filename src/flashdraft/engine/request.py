@@ -1,16 +1,22 @@
 """A generation request and what it returns: the checks every request gets before any work (prompt ids, lengths,
-the verify length), and `GenerationResult`, the tokens with their timings and speculative statistics."""
+the verify length), `GenerationResult`, the tokens with their timings and speculative statistics, and `BatchRow`, a
+request as one row of the decoder's batch (what the decoder and the proposers both read)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..sampling import SamplingParams, position_uniforms
 from ..targets.target import Target
+
+if TYPE_CHECKING:
+    from .grammar import RowGrammar
 
 
 class GenerationError(ValueError):
@@ -172,3 +178,48 @@ def check_block_size(block_size: int | str | None, max_block_size: int | None) -
 
 
 __all__ = ["GenerationError", "GenerationResult", "as_target", "check_block_size", "check_request"]
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a GPU's; a CPU's is done when its ops return)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass(eq=False)
+class BatchRow:
+    """One sequence of the batch: its request, its progress and its result."""
+
+    prompt: torch.Tensor  # [1, P]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stops: set[int]
+    seed: int
+    on_tokens: Callable[[list[int]], Any] | None = None
+    tokens: list[int] = field(default_factory=list)  # generated so far
+    history: list[int] = field(default_factory=list)  # prompt + generated (for lookup proposers)
+    result: GenerationResult | None = None
+    done: bool = False
+    started: float = 0.0  # when its prefill ended (its decode time counts from there)
+    tag: Any = None  # the caller's (e.g. the server's request handle)
+    grammar: RowGrammar | None = None  # structured output: the row's matcher (grammar.py)
+    rope_offset: int = 0  # multimodal RoPE: its text positions' shift after its images (Target.rope_offset)
+
+    @property
+    def anchor_position(self) -> int:
+        """Position of the anchor (the last fixed token, not yet in the cache) = tokens the cache holds."""
+        return self.prompt.shape[1] + len(self.tokens) - 1
+
+    def uniforms(self, start: int, count: int) -> torch.Tensor | None:
+        return None if self.sampling.greedy else position_uniforms(self.seed, start, count)
+
+    def finish(self, reason: str | None = None) -> None:
+        self.done = True
+        sync(self.prompt.device)
+        if reason:
+            self.result.stop_reason = reason
+        self.result.decode_s = time.perf_counter() - self.started
+        device = self.prompt.device
+        self.result.sequences = torch.cat(
+            [self.prompt, torch.tensor([self.tokens], dtype=torch.long, device=device)], dim=1
+        )

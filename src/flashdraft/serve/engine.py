@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from ..engine.decoder import BatchDecoder, BatchRow
+from ..engine.decoder import BatchDecoder
 from ..engine.grammar import Constraint
-from ..engine.request import GenerationResult
+from ..engine.request import BatchRow, GenerationResult
 from ..generate import batch_proposer
 from ..sampling import SamplingParams
 from ..targets.multimodal import ImagePrompt
