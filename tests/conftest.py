@@ -357,10 +357,11 @@ def running_server(app):
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.time() + 30
-    while not server.started and time.time() < deadline:
+    deadline = time.time() + 60
+    while not server.started and thread.is_alive() and time.time() < deadline:
         time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    assert server.started, "the test server did not start within 60 s"
+    port = server.servers[0].sockets[0].getsockname()[1]  # port 0: the one it got, so no race for a free port
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

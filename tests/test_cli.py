@@ -115,6 +115,22 @@ def test_a_bad_compile_setting_is_one_line_before_any_load(dirs, no_model_load):
     ]
 
 
+def test_serve_on_a_taken_port_is_one_line_before_any_load(dirs, no_model_load):
+    pytest.importorskip("uvicorn")
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(app, ["serve", *_generate_args(dirs), "--port", str(port)])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: cannot serve on 127.0.0.1:{port}: "), (
+        result.output
+    )
+
+
 def test_generate_empty_prompt(dirs, no_model_load):
     result = CliRunner().invoke(app, ["generate", *_generate_args(dirs), "  "])
     assert result.exit_code == 2 and result.output.strip() == "error: the prompt is empty"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -159,12 +160,50 @@ def test_concurrent_requests_all_answered_correctly(server):
     assert "flashdraft:decode_steps_by_batch_size" in httpx.get(f"{server['base']}/metrics", timeout=10).text
 
 
-def free_port() -> int:
-    import socket
+class ServerOutput:
+    """A `flashdraft serve` process's output, read as it comes (an unread pipe can fill and stall the server)."""
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    def __init__(self, proc) -> None:
+        import queue
+
+        self.proc, self.lines, self._queue = proc, [], queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_for(self, pattern: str, timeout: float = 180) -> re.Match:
+        """The first line matching `pattern`; fails, with the output so far, if the server exits or stays silent."""
+        import queue
+
+        deadline = time.time() + timeout
+        while True:
+            try:
+                line = self._queue.get(timeout=max(deadline - time.time(), 0.01))
+            except queue.Empty:
+                pytest.fail(f"no line matching {pattern!r} within {timeout} s; output: {''.join(self.lines)}")
+            if line is None:
+                pytest.fail(
+                    f"the server exited ({self.proc.wait()}) before {pattern!r}: {''.join(self.lines)}"
+                )
+            self.lines.append(line)
+            if match := re.search(pattern, line):
+                return match
+
+
+def wait_until_ready(base: str, output: ServerOutput, timeout: float = 180) -> None:
+    """`/health` answers 200 once the server is ready (503 while it starts); fails loudly when it never does."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"{base}/health was not 200 within {timeout} s; output: {''.join(output.lines)}")
 
 
 def test_sigterm_drains_in_flight_requests_then_exits(models, tmp_path):
@@ -180,23 +219,17 @@ def test_sigterm_drains_in_flight_requests_then_exits(models, tmp_path):
     tiny_tokenizer().save_pretrained(tmp_path / "target")
     draft = DFlashDraftModel.for_target(model.config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1)
     draft.save_pretrained(tmp_path / "draft")
-    port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "flashdraft", "serve", "--target", str(tmp_path / "target"), "--draft",
-         str(tmp_path / "draft"), "--port", str(port), "--block-size", "4", "--threads", "1",
+         str(tmp_path / "draft"), "--port", "0", "--block-size", "4", "--threads", "1",
          "--served-model-name", MODEL],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
     )  # fmt: skip
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+    output = ServerOutput(proc)
+    try:  # --port 0: the server takes a free port and says which, so no other process can take it first
+        base = output.wait_for(r"on (http://127\.0\.0\.1:\d+)/v1").group(1)
+        wait_until_ready(base, output)
         body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 200, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}, "stop": []}  # fmt: skip
         chunks = []
@@ -221,7 +254,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(models, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-        print(proc.stdout.read() if proc.stdout else "")
+        print("".join(output.lines))
 
 
 @pytest.mark.parametrize(
@@ -277,24 +310,33 @@ def test_bad_input_is_a_4xx_with_an_openai_error_and_the_server_keeps_serving(se
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_place(server, monkeypatch):
+    """Counted in the target's forwards, not in seconds: the answer stops well before a whole one."""
     engine, target = server["engine"], server["target"]
     real_forward = target.forward
+    forwards = [0]
 
-    def slow_forward(*args, **kwargs):  # make a long answer take seconds, so leaving early is observable
+    def slow_forward(
+        *args, **kwargs
+    ):  # a step takes 20 ms, so the client's leaving lands early in the answer
+        forwards[0] += 1
         time.sleep(0.02)
         return real_forward(*args, **kwargs)
 
     monkeypatch.setattr(target, "forward", slow_forward)
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 200, "temperature": 0, "stream": True}
-    t0 = time.time()
+    whole = httpx.post(f"{server['base']}/v1/chat/completions", json={**body, "stream": False}, timeout=60)
+    assert whole.json()["usage"]["completion_tokens"] == 200
+    whole_forwards, forwards[0] = forwards[0], 0
+    assert whole_forwards >= 40  # room to see the answer cut short
     with httpx.stream("POST", f"{server['base']}/v1/chat/completions", json=body, timeout=30) as r:
         for line in r.iter_lines():
             if line.startswith("data: ") and '"content": "w' in line:
                 break  # first real text: leave
-    deadline = time.time() + 10
+    deadline = time.time() + 30
     while engine.running and time.time() < deadline:
         time.sleep(0.02)
-    assert not engine.running and time.time() - t0 < 3  # 200 slow steps would take > 4 s
+    assert not engine.running, "the left request was still decoding after 30 s"
+    assert forwards[0] < whole_forwards // 2, (forwards[0], whole_forwards)
     monkeypatch.setattr(target, "forward", real_forward)
     ok = server["client"].chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0)
     assert ok.choices[0].message.content is not None

@@ -29,7 +29,7 @@ def serve_command(
         Path | None, typer.Option(help="DFlash drafter directory (without it: plain decoding, the baseline)")
     ] = None,
     host: Annotated[str, typer.Option()] = "127.0.0.1",
-    port: Annotated[int, typer.Option()] = 8000,
+    port: Annotated[int, typer.Option(help="0: a free port (the 'serving ... on' line says which)")] = 8000,
     served_model_name: Annotated[
         str | None, typer.Option(help="model id clients use (default: --target)")
     ] = None,
@@ -65,9 +65,10 @@ def serve_command(
 
     require_extra("serve", "fastapi", "uvicorn", "prometheus_client")
     from ..drafter.checkpoint import load_drafter_config
+    from ..errors import print_error
     from ..generate import GenerationError
     from ..kernels.plan import check_quantize
-    from ..serve import Engine, build_app, run_server
+    from ..serve import Engine, ServeError, bind_port, bound_address, build_app, run_server
     from ..targets.target import parse_device, parse_dtype
 
     dev, torch_dtype = parse_device(device), parse_dtype(dtype)
@@ -83,6 +84,11 @@ def serve_command(
         raise GenerationError(f"--max-batch-size must be >= 1, got {max_batch_size}")
     if threads:
         torch.set_num_threads(threads)
+    try:
+        sock = bind_port(host, port)  # before loading: a taken port is said at once
+    except ServeError as e:
+        print_error(e)
+        raise typer.Exit(2) from None
     pipeline = load_noting(
         target,
         draft,
@@ -109,8 +115,7 @@ def serve_command(
         start=False,
     )
     name = served_model_name or target
-    console.print(
-        f"serving {name!r} ({'DFlash ' + str(draft) if draft else 'plain decoding'}) on http://{host}:{port}/v1"
-    )
-    if not run_server(engine, build_app(engine, name, allow_local_images), host, port):
-        raise typer.Exit(1)  # uvicorn has said why (e.g. the port is taken)
+    how = "DFlash " + str(draft) if draft else "plain decoding"
+    console.print(f"serving {name!r} ({how}) on {bound_address(sock)}/v1", soft_wrap=True)
+    if not run_server(engine, build_app(engine, name, allow_local_images), sock):
+        raise typer.Exit(1)  # uvicorn has said why

@@ -7,6 +7,7 @@ away mid-request cancels it and frees its place.
 from __future__ import annotations
 
 import logging
+import socket
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,6 +19,10 @@ from .protocol import APIError
 from .routes import OpenAIRoutes
 
 log = logging.getLogger(__name__)
+
+
+class ServeError(ValueError):
+    """The server cannot start where it was asked to (a taken port, an unknown host): one line."""
 
 
 def build_app(engine: Engine, model_name: str, allow_local_images: bool = False) -> FastAPI:
@@ -57,19 +62,47 @@ def build_app(engine: Engine, model_name: str, allow_local_images: bool = False)
     return app
 
 
-def run_server(engine: Engine, app: FastAPI, host: str, port: int) -> bool:
-    """Serve `app` until SIGINT / SIGTERM, then drain: the HTTP server (uvicorn) in a thread, the engine's worker
-    on this one (the main thread: see `Engine.run` for why). Returns whether the server came up."""
+def bind_port(host: str, port: int) -> socket.socket:
+    """The server's socket, bound to (host, port) before anything is loaded, so a taken port is said at once rather
+    than after the model has loaded; port 0 takes a free one (`bound_address` says which). It listens only once the
+    server runs (until then a client is refused, not left waiting)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, UnicodeError) as e:
+        raise ServeError(f"cannot serve on {host}:{port}: {e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ServeError(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def bound_address(sock: socket.socket) -> str:
+    """`http://host:port` of a bound socket (the port it got, where 0 was asked)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def run_server(engine: Engine, app: FastAPI, sock: socket.socket) -> bool:
+    """Serve `app` on `sock` (`bind_port`) until SIGINT / SIGTERM, then drain: the HTTP server (uvicorn) in a thread,
+    the engine's worker on this one (the main thread: see `Engine.run` for why). Returns whether the server came
+    up."""
     import signal
     import threading
 
     import uvicorn
 
+    host, port = sock.getsockname()[:2]
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
 
     def http() -> None:
         try:
-            server.run()  # outside the main thread uvicorn leaves the signals to us
+            server.run(sockets=[sock])  # outside the main thread uvicorn leaves the signals to us
         finally:
             engine.close()  # stop admitting; the worker (on the main thread) answers what is left, then returns
 
@@ -83,4 +116,5 @@ def run_server(engine: Engine, app: FastAPI, host: str, port: int) -> bool:
         thread.join(timeout=60)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+        sock.close()
     return server.started
