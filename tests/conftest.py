@@ -317,6 +317,42 @@ def assert_dflash_is_plain_decoding(target, draft, block_size: int = 6, dense=No
     assert long_accepts > 0  # the oracle's drafts were accepted several at a time, not only rejected
 
 
+def assert_verify_keeps_one_token_bits(target, lengths=(1, 2, 3, 4, 5, 8, 16), start: int = 32) -> None:
+    """Row invariance, bit for bit: a verify of n tokens (through the graph that taps layers for a drafter, as
+    DFlash's does) gives each token exactly the logits (`torch.equal`) that plain decoding's one-token steps (the
+    graph without taps) give it, at every n in `lengths`, after a prompt of `start` tokens."""
+    from flashdraft import DFlashDraftModel
+    from flashdraft.engine.batched_dflash import BatchedDFlashProposer
+    from flashdraft.engine.decoder import BatchDecoder
+    from flashdraft.engine.proposers import NoProposer, PerRowProposers
+    from flashdraft.sampling import SamplingParams
+
+    ids = torch.randint(3, VOCAB - 1, (1, start + max(lengths)), generator=torch.Generator().manual_seed(0))
+    draft = DFlashDraftModel.for_target(
+        target.model.config, num_layers=1, block_size=max(lengths), mask_token_id=VOCAB - 1
+    ).eval()
+    with torch.no_grad():
+        plain = BatchDecoder(target, PerRowProposers(NoProposer))
+        drafting = BatchDecoder(target, BatchedDFlashProposer(draft, target, block_size=max(lengths)))
+        for decoder in (plain, drafting):
+            decoder.add(ids[0, :start].tolist(), 2, SamplingParams(), stop_token_ids=[], seed=0)
+        if drafting.verify is not None:  # a static cache: two graphs, the drafter's with its taps
+            assert drafting.verify.taps and not plain.verify.taps and plain.verify is not drafting.verify
+        steps = []  # plain decoding's one-token steps over ids[start:], each after the last one's column
+        for i in range(max(lengths)):
+            out = plain.forward_block(ids[:, start + i : start + i + 1], torch.tensor([[start + i]]))
+            steps.append(out.logits[0, 0].clone())
+            plain.valid = torch.cat([plain.valid, torch.ones(1, 1, dtype=torch.bool)], 1)
+        for n in lengths:
+            out = drafting.forward_block(ids[:, start : start + n], torch.arange(start, start + n)[None])
+            target.crop(drafting.cache, start)
+            for i in range(n):
+                gap = (out.logits[0, i].double() - steps[i].double()).abs().max().item()
+                assert torch.equal(out.logits[0, i], steps[i]), (
+                    f"token {i} of a verify of {n}: off by {gap:.3g}"
+                )
+
+
 def assert_batched_dflash_is_plain_decoding(target, draft, seed: int = 7, max_batch_size: int = 2) -> None:
     """Five prompts of different lengths decoded as a batch with rows joining as others finish (continuous
     batching), greedy and seeded sampling: each row's tokens are plain decoding of that row alone on `target`."""

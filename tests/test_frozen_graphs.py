@@ -11,11 +11,8 @@ import torch
 from conftest import VOCAB, compiled_plan, tiny_model
 from flashdraft import DFlashDraftModel, Target, generate_ar
 from flashdraft.engine.compiled import compile_verify
-from flashdraft.engine.decoder import BatchDecoder
-from flashdraft.engine.proposers import PerRowProposers
 from flashdraft.generate import generate
 from flashdraft.kernels import attention
-from flashdraft.sampling import SamplingParams
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -259,48 +256,6 @@ def test_inductor_s_one_token_step_decodes_as_plain_decoding(monkeypatch):
         counters["inductor"]["select_algorithm_autotune"] == 0
     )  # one kernel per GEMM, never a timing's choice
     assert len(model._flashdraft_draft_heads) == 1  # the draft head the engine compiled beside them
-
-
-def _bf16_gemm_instructions() -> bool:
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-
-
-@pytest.mark.skipif(
-    not _bf16_gemm_instructions(), reason="inductor's bf16 GEMM template needs avx512_bf16 or AMX"
-)
-def test_the_compiled_bf16_verify_gives_a_token_the_same_bits_at_any_length():
-    """Batch invariance of the compiled bf16 CPU verify: a token's logits are the same bits whether it is verified
-    alone or as one of 2 to 16 tokens, and whether the graph taps layers for a drafter (DFlash's verify) or not
-    (plain decoding's step). At SmolLM2's widths, bf16 eager decoding and the compiled graphs through oneDNN's GEMM
-    both give other bits to a token in a longer verify, and inductor's choice between them by timing gave two
-    graphs different kernels (inductor_passes.one_gemm_choice): bf16 outputs then differed from plain decoding on near-ties."""
-    from flashdraft.engine.measure import static_decoder
-    from flashdraft.engine.proposers import NoProposer
-
-    model = tiny_model(
-        "llama", layers=2, hidden_size=576, intermediate_size=1536, max_position_embeddings=256
-    ).to(torch.bfloat16)
-    target = Target(model)
-    assert compile_verify(target) is None
-    draft = DFlashDraftModel.for_target(model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1)
-    ids = torch.randint(3, VOCAB - 1, (1, 48), generator=torch.Generator().manual_seed(0))
-    start = 32
-    with torch.no_grad():
-        drafting = static_decoder(target, draft.eval(), ids[:, :start], dtype="bfloat16")  # taps the layers
-        assert drafting.verify.taps
-        plain = BatchDecoder(target, PerRowProposers(NoProposer))
-        plain.add(ids[0, :start].tolist(), 2, SamplingParams(), stop_token_ids=[], seed=0)
-        assert not plain.verify.taps and plain.verify is not drafting.verify
-        steps = []  # plain decoding's one-token steps over ids[start:], each after the last one's column
-        for i in range(16):
-            out = plain.forward_block(ids[:, start + i : start + i + 1], torch.tensor([[start + i]]))
-            steps.append(out.logits[0, 0])
-            plain.valid = torch.cat([plain.valid, torch.ones(1, 1, dtype=torch.bool)], 1)
-        for n in (1, 2, 3, 4, 5, 8, 16):  # past the GEMM template's 4-row register block too
-            out = drafting.forward_block(ids[:, start : start + n], torch.arange(start, start + n)[None])
-            target.crop(drafting.cache, start)
-            for i in range(n):
-                assert torch.equal(out.logits[0, i], steps[i]), f"token {i} of a verify of {n}"
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -171,6 +171,29 @@ class KernelPlan:
         return not self.compiled_cpu_reduced or (self.attention_kernel and self.bf16_rows is not None)
 
     @property
+    def row_invariant(self) -> bool:
+        """Whether the kernels give a token the same bits in a verify of any length as in a one-token step, by their
+        construction (tests/test_row_invariance.py): then DFlash's output is plain decoding's bit for bit, near-ties
+        included. Where False a token's logits can differ in their last bits between the two, and an output can part
+        from plain decoding where two tokens nearly tie.
+
+        Compiled on a CPU in bf16: inductor's GEMM template for every linear (`inductor_passes.one_gemm_choice`),
+        its rows held to one order by a row kernel (`bf16_rows`), the attention by attention_cpp's kernel. Eager on
+        a CPU: products in integers (w8a8, w8a16) or int8 weights with bf16 rows on bf16 instructions (not
+        emulated), around attention_cpp's kernel. Not eager fp32 / bf16 / fp16 (oneDNN's, MKL's and fbgemm's
+        reductions may follow the row count), nor fp32 compiled (its attention products are ATen's GEMMs), nor a
+        GPU. A path not claimed may still hold rows on a given CPU (bf16 eager on an AMX Xeon did): measured, not
+        promised."""
+        if self.device.type != "cpu":
+            return False
+        if self.compiled:
+            rows = self.dtype == torch.bfloat16 and self.bf16_rows is not None and self.attention_kernel
+            return rows and takes_gemm_template(self.compile_options)
+        if self.quantize in ("w8a8", "w8a16"):
+            return self.attention_kernel
+        return self.quantize == "int8" and self.attention_kernel and bool(self.offer("bf16_math"))
+
+    @property
     def compile_key(self) -> str:
         """The compile options as text the same in every process: what graphs and prices are kept under."""
         return options_key(self.compile_options)
@@ -209,6 +232,7 @@ class KernelPlan:
             parts.append("fused w8a16 layers")
         if self.bf16_rows:
             parts.append(f"bf16 rows by {self.bf16_rows}")
+        parts.append("row-invariant" if self.row_invariant else "rows within rounding")
         return ", ".join(parts)
 
 
@@ -266,7 +290,7 @@ def make_plan(
         attention_kernel=kernel,
         attention_tiles=kernel and bool(offer("attention_tiles")),
         fused_layers=compiled and cpu and quantize == "w8a16" and env["fused_layers"],
-        bf16_rows=offer("bf16_rows") if compiled and cpu else None,
+        bf16_rows=offer("bf16_rows") if compiled and cpu and dtype == torch.bfloat16 else None,
         compile_note=f"--compile: {why}; decoding eagerly" if why else None,
         compile_asked=compile,
         pack_asked=pack_linears,
@@ -336,20 +360,26 @@ def _w8a8_refusal(options: Mapping[str, Any], offer: CpuOffer) -> str | None:
     weight as a frozen constant that only inductor's C++ GEMM template reads (ATen's op takes oneDNN's packed
     layout), so the CPU needs the template's int8 micro-kernels and the options must freeze and take the template
     (as the CPU defaults do; a `$FLASHDRAFT_COMPILE` may not)."""
-    from torch._inductor import config as inductor_config
-
     if not offer("w8a8_compiles"):
         return "int8 activations compile through inductor's avx512_vnni or AMX kernels, which this CPU lacks"
-    inductor = options.get("options") or {}
-    backends = inductor.get("max_autotune_gemm_backends", inductor_config.max_autotune_gemm_backends)
-    backends = str(backends).upper().split(",")
-    templates = inductor.get("max_autotune") or inductor.get("max_autotune_gemm")
-    if not (inductor.get("freezing") and templates and "CPP" in backends):
+    if not takes_gemm_template(options):
         return (
             "int8 activations compile only frozen, through inductor's C++ GEMM template (freezing, "
             "max_autotune_gemm and its CPP backend), which $FLASHDRAFT_COMPILE leaves out"
         )
     return None
+
+
+def takes_gemm_template(options: Mapping[str, Any] | None) -> bool:
+    """Whether torch.compile with these options freezes the graph and lowers its GEMMs through inductor's C++
+    template (freezing, max_autotune_gemm and its CPP backend), as the CPU defaults do; a `$FLASHDRAFT_COMPILE`
+    may not."""
+    from torch._inductor import config as inductor_config
+
+    inductor = (options or {}).get("options") or {}
+    backends = inductor.get("max_autotune_gemm_backends", inductor_config.max_autotune_gemm_backends)
+    templates = inductor.get("max_autotune") or inductor.get("max_autotune_gemm")
+    return bool(inductor.get("freezing") and templates and "CPP" in str(backends).upper().split(","))
 
 
 def compile_options(device: torch.device, training: bool = False) -> dict[str, Any]:
