@@ -74,3 +74,14 @@ def test_every_negative_or_non_finite_temperature_is_refused_naming_it(temperatu
 @given(st.one_of(st.integers(max_value=-1), st.booleans(), st.floats(allow_nan=True)))
 def test_every_top_k_that_is_not_a_count_is_refused_naming_it(top_k):
     assert _refused(top_k=top_k).startswith("top_k must be an integer >= 0")
+
+
+@pytest.mark.parametrize(("top_p", "kept"), [(0.5, 1), (0.75, 2), (0.875, 3), (0.9, 4), (0.9375, 4)])
+def test_top_p_keeps_the_smallest_head_whose_mass_reaches_it_exactly(top_p, kept):
+    """Probabilities that are powers of two sum exactly: at a mass equal to top_p the head stops there (as in
+    transformers), one token later it does not."""
+    logits = torch.tensor([[0.5, 0.25, 0.125, 0.0625, 0.03125, 0.03125]]).log()
+    params = SamplingParams(1.0, top_p, 0)
+    ours = target_probs(logits, params).double()
+    assert int((ours > 0).sum()) == kept
+    assert torch.equal(ours > 0, transformers_probs(logits, params) > 0)
