@@ -7,7 +7,9 @@ import random
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,6 +41,56 @@ def _common(vocab: int) -> dict:
         bos_token_id=1,
         eos_token_id=2,
     )
+
+
+# ------------------------------------------------------------------------------------ CPU kernels: skip or fail
+REQUIRE_KERNELS = os.environ.get("FLASHDRAFT_REQUIRE_KERNELS") == "1"
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's instruction-set flags as Linux lists them (empty elsewhere)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
+
+
+def has_features(needs: str) -> bool:
+    """`needs`: CPU flags, all of the space-separated ones, any of those joined by `|` ("avx512_vnni avx512_bf16",
+    "avx512_bf16|amx_bf16")."""
+    flags = cpu_flags()
+    return all(any(alt in flags for alt in group.split("|")) for group in needs.split())
+
+
+def skip_without_kernel(available: bool, needs: str, what: str) -> None:
+    """Skip a test whose CPU kernel does not serve here, the reason naming the features it needs. With
+    `FLASHDRAFT_REQUIRE_KERNELS=1` (CI sets it), a CPU that has those features fails the test instead: a kernel
+    that should serve on this CPU and does not (a failed build, a wrong gate) is a defect, never a quiet skip."""
+    if available:
+        return
+    if REQUIRE_KERNELS and has_features(needs):
+        pytest.fail(
+            f"{what}: this CPU has {needs}, yet the kernel does not serve (FLASHDRAFT_REQUIRE_KERNELS=1)"
+        )
+    pytest.skip(f"{what} needs {needs}")
+
+
+def needs_kernel(available: Callable[[], bool], needs: str, what: str) -> pytest.MarkDecorator:
+    """`skip_without_kernel` as a mark, `available` asked when the test starts (not at collection)."""
+    return pytest.mark.kernel(available, needs, what)
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line(
+        "markers", "kernel(available, needs, what): a CPU kernel test (conftest.needs_kernel)"
+    )
+
+
+def pytest_runtest_setup(item) -> None:
+    for mark in item.iter_markers("kernel"):
+        available, needs, what = mark.args
+        skip_without_kernel(bool(available()), needs, what)
 
 
 def tiny_config(arch: str, vocab: int = VOCAB, layers: int = 6, **overrides):

@@ -6,6 +6,7 @@ where its columns sit among hidden ones (a draft tree's node against its path al
 import pytest
 import torch
 
+from conftest import skip_without_kernel
 from flashdraft.kernels import attention, attention_cpp
 from flashdraft.kernels.plan import switches
 
@@ -23,8 +24,8 @@ def built():
 def scores(request):
     """The scores' two ways (both on a CPU with AMX; elsewhere the vectors'): vector FMAs, or AMX's tiles. The
     process's default is restored after the test."""
-    if not attention_cpp.set_tiles(request.param == "tiles") and request.param == "tiles":
-        pytest.skip("no AMX tiles on this CPU")
+    on = attention_cpp.set_tiles(request.param == "tiles")
+    skip_without_kernel(on or request.param != "tiles", "amx_tile amx_bf16", "attention_cpp's AMX tiles")
     yield request.param
     attention_cpp.set_tiles(switches()["attention_tiles"])
 

@@ -12,6 +12,7 @@ from conftest import (
     VOCAB,
     assert_batched_dflash_is_plain_decoding,
     assert_dflash_is_plain_decoding,
+    needs_kernel,
     replan,
     tiny_model,
 )
@@ -22,9 +23,7 @@ from flashdraft.kernels import attention, decoder_layer_cpp
 from flashdraft.kernels.quantize import quantize
 from test_w8a16 import drafter
 
-pytestmark = pytest.mark.skipif(
-    not decoder_layer_cpp.prepare(), reason="the fused layer needs the w8a16 kernel (avx512_vnni)"
-)
+pytestmark = needs_kernel(decoder_layer_cpp.prepare, "avx512_vnni avx512_bf16", "the fused w8a16 layer")
 
 
 def biased(model: nn.Module) -> nn.Module:

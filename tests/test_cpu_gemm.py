@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
+from conftest import skip_without_kernel
 from flashdraft.engine.compiled import compile_whole
 from flashdraft.kernels.gemm_templates import bf16_row_kernels, bf16_rows_kernel, serving_bf16_rows
 from flashdraft.kernels.plan import compile_options
@@ -16,8 +17,8 @@ MARKS = {"pairs": "_mm512_dpbf16_ps(", "amx": "_tile_release()"}
 
 
 def _serving(kernel: str):
-    if kernel not in bf16_row_kernels():
-        pytest.skip(f"no {kernel} kernel for bf16 rows on this CPU")
+    needs = {"amx": "amx_tile amx_bf16", "pairs": "avx512_bf16"}[kernel]
+    skip_without_kernel(kernel in bf16_row_kernels(), needs, f"the {kernel} kernel for bf16 rows")
     return serving_bf16_rows(kernel)
 
 
@@ -118,8 +119,7 @@ def test_the_one_row_int8_graph_blocks_k_by_the_int8_weights_the_pair_kernel_rea
 
     from flashdraft.kernels.quantize import Int8Linear
 
-    if "pairs" not in bf16_row_kernels():
-        pytest.skip("no pair kernel on this CPU")
+    skip_without_kernel("pairs" in bf16_row_kernels(), "avx512_bf16", "the pairs kernel for bf16 rows")
     torch.manual_seed(0)
     layer = Int8Linear(torch.nn.Linear(576, 96, bias=False), torch.bfloat16).eval()
     x = torch.randn(1, 576).bfloat16()

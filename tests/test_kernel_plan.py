@@ -145,3 +145,22 @@ def test_a_target_is_prepared_by_its_plan_and_keeps_it():
     note = compile_verify(sliding)
     assert note is not None and note.startswith("--compile:") and note.endswith("; decoding eagerly")
     assert "\n" not in note and not sliding.plan.static_cache and sliding.plan.compile_note == note
+
+
+def test_a_kernel_test_skips_where_the_cpu_lacks_its_features_and_fails_where_it_has_them(monkeypatch):
+    """FLASHDRAFT_REQUIRE_KERNELS=1 (CI) turns a kernel test's skip into a failure on a CPU that has what it needs."""
+    import conftest
+
+    monkeypatch.setattr(conftest, "cpu_flags", lambda: {"avx2", "avx512_vnni", "avx512_bf16"})
+    assert conftest.has_features("avx512_vnni avx512_bf16") and conftest.has_features("amx_bf16|avx512_bf16")
+    assert not conftest.has_features("amx_tile amx_bf16")
+    conftest.skip_without_kernel(True, "amx_tile", "served")  # available: nothing happens
+    for require in (False, True):
+        monkeypatch.setattr(conftest, "REQUIRE_KERNELS", require)
+        with pytest.raises(pytest.skip.Exception, match="the AMX kernel needs amx_tile"):
+            conftest.skip_without_kernel(False, "amx_tile", "the AMX kernel")
+    with pytest.raises(pytest.fail.Exception, match="this CPU has avx512_vnni avx512_bf16, yet"):
+        conftest.skip_without_kernel(False, "avx512_vnni avx512_bf16", "the w8a16 kernel")
+    monkeypatch.setattr(conftest, "REQUIRE_KERNELS", False)
+    with pytest.raises(pytest.skip.Exception):
+        conftest.skip_without_kernel(False, "avx512_vnni avx512_bf16", "the w8a16 kernel")

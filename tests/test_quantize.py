@@ -20,6 +20,7 @@ from conftest import (
     assert_dflash_is_plain_decoding,
     first_rows_symbolic,
     hybrid_model,
+    skip_without_kernel,
     tiny_model,
 )
 from flashdraft import Target, generate, generate_ar
@@ -339,8 +340,9 @@ def test_compiled_int8_layers_reading_one_input_are_one_gemm_with_their_values(d
     from flashdraft.kernels.plan import compile_options
     from flashdraft.kernels.static_buffers import symbolic_sizes
 
-    if dtype not in int8_concat_row_dtypes():
-        pytest.skip(f"{dtype} rows keep one GEMM per int8 layer on this CPU (no AMX or avx512_bf16)")
+    skip_without_kernel(
+        dtype in int8_concat_row_dtypes(), "avx512_bf16|amx_bf16", f"one GEMM of {dtype} rows"
+    )
     torch.manual_seed(1)
     outs = (96, 32, 32, 160, 160)  # q, k, v; gate, up
     layers = nn.ModuleList(Int8Linear(nn.Linear(96, o, bias=False), compute_dtype=dtype) for o in outs).eval()

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import VOCAB, hybrid_model, replan, tiny_model
+from conftest import VOCAB, hybrid_model, needs_kernel, replan, tiny_model
 from flashdraft import DFlashDraftModel, SamplingParams, Target, generate, generate_ar, generate_batch
 from flashdraft.engine.batched_dflash import BatchedDFlashProposer
 from flashdraft.engine.costs import CostModel
@@ -501,7 +501,7 @@ def test_the_compiled_cpu_path_in_reduced_precision_verifies_trees_only_where_th
     assert tree_refusal(fp32) is None
 
 
-@pytest.mark.skipif(not _tree_exact_cpu(), reason="exact bf16 trees need AMX or avx512_bf16 (cpu_gemm)")
+@needs_kernel(_tree_exact_cpu, "avx512_bf16|amx_bf16", "exact bf16 trees (cpu_gemm's bf16 row kernels)")
 def test_oracle_trees_decode_as_plain_compiled_in_bf16():
     """The compiled bf16 CPU path (frozen graphs, attention_cpp's kernel over a mask as narrow as the columns in
     use): random trees, rows joining and leaving, greedy and seeded sampling, every output equal to the same

@@ -16,6 +16,7 @@ from conftest import (
     assert_dflash_is_plain_decoding,
     first_rows_symbolic,
     hybrid_model,
+    needs_kernel,
     tiny_model,
 )
 from flashdraft import Target
@@ -24,8 +25,8 @@ from flashdraft.kernels import w8a16_cpp
 from flashdraft.kernels.plan import check_quantize
 from flashdraft.kernels.quantize import QuantizeError, W8A16Linear, quantization_of, quantize
 
-needs_kernel = pytest.mark.skipif(
-    not w8a16_cpp.prepare(), reason="the w8a16 kernel needs avx512_vnni and avx512_bf16 (and a C++ compiler)"
+needs_w8a16 = needs_kernel(
+    w8a16_cpp.prepare, "avx512_vnni avx512_bf16", "the w8a16 kernel (and a C++ compiler)"
 )
 
 
@@ -54,7 +55,7 @@ def drafter(model: nn.Module) -> DFlashDraftModel:
     )
 
 
-@needs_kernel
+@needs_w8a16
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_w8a16_layer_is_the_integer_product_of_each_row_s_16_bit_codes(dtype):
     """Widths that fill no whole tile (100 inputs, 40 outputs), a bias; zeros, NaN and inf rows."""
@@ -79,7 +80,7 @@ def test_a_w8a16_layer_is_the_integer_product_of_each_row_s_16_bit_codes(dtype):
     assert out[0].isfinite().all() and out[1].isnan().all() and out[2].isnan().all()
 
 
-@needs_kernel
+@needs_w8a16
 def test_a_row_gets_its_bits_at_any_row_count_from_either_kernel():
     """Each row quantized alone and summed in integers: a row's output does not depend on the rows beside it (a
     scale over the whole call would break it: the outlier row), nor on which kernel serves the call (vpdpbusd for
@@ -109,7 +110,7 @@ def test_a_row_gets_its_bits_at_any_row_count_from_either_kernel():
     torch.testing.assert_close(outputs[0].float(), reference(layer, x), rtol=1e-2, atol=1e-2)
 
 
-@needs_kernel
+@needs_w8a16
 def test_compiled_w8a16_layers_of_one_input_are_one_call_and_keep_a_row_s_bits():
     """Compiled as the engine compiles a verify (frozen, rows symbolic): q / k / v of one input are one kernel call,
     gate / up another (the freezing pass concatenates their packed weights), a layer of another input its own; every
@@ -149,7 +150,7 @@ def test_compiled_w8a16_layers_of_one_input_are_one_call_and_keep_a_row_s_bits()
     assert len(calls) == 5  # q / k / v, o, gate / up, and the two narrow ones apart
 
 
-@needs_kernel
+@needs_w8a16
 @pytest.mark.parametrize("arch", ["llama", "qwen3", HYBRID_ARCHS[0]])
 def test_dflash_on_a_w8a16_target_is_plain_decoding_of_it(arch):
     """Greedy and seeded sampling, a random drafter and an oracle, eager; a hybrid target too."""
@@ -164,7 +165,7 @@ def test_dflash_on_a_w8a16_target_is_plain_decoding_of_it(arch):
     assert_dflash_is_plain_decoding(target, drafter(model))
 
 
-@needs_kernel
+@needs_w8a16
 def test_compiled_dflash_on_a_w8a16_target_is_plain_decoding_of_it():
     """`--quantize w8a16 --compile`: one row and rows joining and leaving a batch."""
     from flashdraft.engine.compiled import compile_verify
@@ -178,7 +179,7 @@ def test_compiled_dflash_on_a_w8a16_target_is_plain_decoding_of_it():
     assert_batched_dflash_is_plain_decoding(target, draft, max_batch_size=3)
 
 
-@needs_kernel
+@needs_w8a16
 def test_a_w8a16_head_over_a_drafter_s_vocabulary_keeps_each_row_s_bits():
     """select_rows (vocab.py): the head over some tokens gives those tokens' logits bit for bit."""
     torch.manual_seed(4)
@@ -189,7 +190,7 @@ def test_a_w8a16_head_over_a_drafter_s_vocabulary_keeps_each_row_s_bits():
     assert part.out_features == 6 and torch.equal(part(x), head(x)[:, ids])
 
 
-@needs_kernel
+@needs_w8a16
 def test_what_w8a16_cannot_run_is_refused_in_one_line():
     cpu = torch.device("cpu")
     check_quantize("w8a16", None, cpu)
@@ -229,7 +230,7 @@ def test_a_cpu_without_w8a16_s_features_is_refused_naming_them_before_any_build(
     assert builds == [] and w8a16_cpp.kernels() is None
 
 
-@needs_kernel
+@needs_w8a16
 def test_a_process_without_w8a16_layers_compiles_frozen_graphs():
     """The freezing pass that joins w8a16 layers is registered only once the kernel is built (tracing its patterns
     runs the operator): a fresh process compiling another model's graph never needs the kernel (an int8 bench

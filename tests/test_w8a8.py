@@ -21,6 +21,7 @@ from conftest import (
     assert_dflash_is_plain_decoding,
     first_rows_symbolic,
     hybrid_model,
+    needs_kernel,
     tiny_model,
 )
 from flashdraft import Target
@@ -37,14 +38,9 @@ from flashdraft.kernels.quantize import (
 )
 
 needs_onednn = pytest.mark.skipif(not w8a8_available(), reason="oneDNN's int8 linear (x86 builds of torch)")
-needs_exact = pytest.mark.skipif(
-    not w8a8_exact(),
-    reason="w8a8 is refused on this CPU: oneDNN's int8 products are exact only with VNNI (avx512_vnni, avx_vnni or "
-    "AMX); test_w8a8_is_offered_exactly_where_its_layers_are_the_integer_product runs here all the same",
-)
-needs_template = pytest.mark.skipif(
-    not w8a8_compiles(), reason="inductor's int8 micro-kernels (avx512_vnni, AMX)"
-)
+# without VNNI w8a8 is refused (oneDNN's int8 products saturate); the test that it is refused runs everywhere
+needs_exact = needs_kernel(w8a8_exact, "avx512_vnni|avx_vnni|amx_int8", "w8a8's exact int8 products (VNNI)")
+needs_template = needs_kernel(w8a8_compiles, "avx512_vnni|amx_int8", "inductor's int8 micro-kernels")
 
 
 def reference(layer: W8A8Linear, x: torch.Tensor) -> torch.Tensor:
