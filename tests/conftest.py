@@ -9,7 +9,6 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
@@ -48,12 +47,10 @@ REQUIRE_KERNELS = os.environ.get("FLASHDRAFT_REQUIRE_KERNELS") == "1"
 
 
 def cpu_flags() -> set[str]:
-    """The CPU's instruction-set flags as Linux lists them (empty elsewhere)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return set()
-    return next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
+    """The CPU's instruction-set flags as Linux lists them (those a kernel may use: `kernels.cpu_info`)."""
+    from flashdraft.kernels.cpu_info import cpu_features
+
+    return set(cpu_features().split()[1:])
 
 
 def has_features(needs: str) -> bool:
@@ -399,9 +396,9 @@ def assert_verify_keeps_one_token_bits(target, lengths=(1, 2, 3, 4, 5, 8, 16), s
             out = drafting.forward_block(ids[:, start : start + n], torch.arange(start, start + n)[None])
             target.crop(drafting.cache, start)
             for i in range(n):
-                gap = (out.logits[0, i].double() - steps[i].double()).abs().max().item()
-                assert torch.equal(out.logits[0, i], steps[i]), (
-                    f"token {i} of a verify of {n}: off by {gap:.3g}"
+                got, want = out.logits[0, i], steps[i]
+                assert torch.equal(got, want), (
+                    f"token {i} of a verify of {n}: off by {(got.double() - want.double()).abs().max().item():.3g}"
                 )
 
 

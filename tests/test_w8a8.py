@@ -19,6 +19,7 @@ from conftest import (
     VOCAB,
     assert_batched_dflash_is_plain_decoding,
     assert_dflash_is_plain_decoding,
+    cpu_flags,
     first_rows_symbolic,
     hybrid_model,
     needs_kernel,
@@ -233,13 +234,6 @@ print(json.dumps({"worst": worst, "exact": w8a8_exact(), "layer_error": layer_er
 """
 
 
-def _cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
 @needs_onednn
 @pytest.mark.skipif(
     not Path("/proc/cpuinfo").exists(), reason="reads the CPU's flags from /proc/cpuinfo (Linux)"
@@ -266,7 +260,7 @@ def test_w8a8_is_offered_exactly_where_its_layers_are_the_integer_product(cap):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
-    flags = _cpu_flags()
+    flags = cpu_flags()
     vnni = {
         None: {"avx512_vnni", "avx_vnni", "amx_int8"},
         "AVX2": set(),

@@ -177,9 +177,6 @@ def check_block_size(block_size: int | str | None, max_block_size: int | None) -
     return int(block_size)
 
 
-__all__ = ["GenerationError", "GenerationResult", "as_target", "check_block_size", "check_request"]
-
-
 def sync(device: torch.device) -> None:
     """Wait for the device's queued work (a GPU's; a CPU's is done when its ops return)."""
     if device.type == "cuda":
@@ -223,3 +220,14 @@ class BatchRow:
         self.result.sequences = torch.cat(
             [self.prompt, torch.tensor([self.tokens], dtype=torch.long, device=device)], dim=1
         )
+
+
+__all__ = [
+    "BatchRow",
+    "GenerationError",
+    "GenerationResult",
+    "as_target",
+    "check_block_size",
+    "check_request",
+    "sync",
+]
