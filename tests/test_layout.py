@@ -82,6 +82,7 @@ FLOORS = {
     "__init__": 6,
     "serve": 6,
     "pipeline": 5,
+    "mlx": 5,
     "generate": 5,
     "engine": 4,
     "targets": 3,

@@ -74,12 +74,15 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits.softmax(-1)
 
 
+def uniform_values(seed: int, start: int, count: int) -> list[float]:
+    """The uniforms in [0, 1) of absolute positions start .. start+count-1 (one stream per position), as floats:
+    what every backend draws with (the MLX one without torch)."""
+    return [random.Random((seed << 24) ^ pos).random() for pos in range(start, start + count)]
+
+
 def position_uniforms(seed: int, start: int, count: int) -> torch.Tensor:
     """[count] float64 uniforms in [0, 1) for absolute positions start .. start+count-1 (one stream per position)."""
-    return torch.tensor(
-        [random.Random((seed << 24) ^ pos).random() for pos in range(start, start + count)],
-        dtype=torch.float64,
-    )
+    return torch.tensor(uniform_values(seed, start, count), dtype=torch.float64)
 
 
 def non_finite_rows(values: torch.Tensor) -> torch.Tensor:

@@ -93,6 +93,7 @@ class BenchConfig:
     llamacpp_draft_max: int | None = None  # llama-server --spec-draft-n-max (None: its default)
     llamacpp_args: str = ""  # more llama-server options for every llama.cpp method (its best on this CPU)
     llamacpp_context: int = 4096
+    engine: str = "torch"  # "mlx": ar and the dflash methods decoded by flashdraft.mlx (bench/mlx_methods.py)
 
 
 @dataclass
@@ -167,6 +168,8 @@ def validate_common(max_new_tokens: int, temperature: float, max_samples: int | 
 def validate_config(cfg: BenchConfig) -> None:
     """Every check that needs no model: fail in a second, not after loading weights."""
     cfg.methods = parse_methods(cfg.methods)
+    if cfg.engine == "mlx":  # what that backend runs, before the methods' own checks
+        check_mlx_config(cfg)
     validate_common(cfg.max_new_tokens, cfg.temperature, cfg.max_samples)
     if any(m in DFLASH_METHODS for m in cfg.methods) and not cfg.draft:
         raise BenchError("method dflash needs a drafter: pass --draft DIR")
@@ -181,7 +184,7 @@ def validate_config(cfg: BenchConfig) -> None:
         raise BenchError(f"--dtype must be float32, bfloat16 or float16, got {cfg.dtype!r}")
     if cfg.pld_tokens < 1:
         raise BenchError(f"--pld-tokens must be at least 1, got {cfg.pld_tokens}")
-    if cfg.quantize is not None:  # refused before any load, as every command does
+    if cfg.quantize is not None and cfg.engine != "mlx":  # refused before any load, as every command does
         from ..kernels.plan import check_quantize
         from ..targets.target import parse_device, parse_dtype
 
@@ -245,3 +248,33 @@ def dataset_info(ds: BenchDataset) -> dict[str, Any]:
         "turns": ds.num_turns,
         "sample_indices": ds.sample_indices,
     }
+
+
+MLX_METHODS = ("ar", "dflash", "dflash-fixed")  # what `bench --backend mlx` runs (mlx_methods.py)
+
+
+def check_mlx_config(cfg: BenchConfig) -> None:
+    """The benchmark options the MLX backend does not run, refused by name before any load."""
+    from ..extras import require_extra
+
+    other = [m for m in cfg.methods if m not in MLX_METHODS]
+    if other:
+        raise BenchError(
+            f"methods {', '.join(other)} do not run with --backend mlx (it runs {', '.join(MLX_METHODS)})"
+        )
+    asked = [
+        name
+        for name, value, unset in (
+            ("--compile", cfg.compile_verify, False),
+            ("--quantize", cfg.quantize, None),
+            ("--device", cfg.device, None),
+            ("--threads", cfg.threads, None),
+            ("--draft-vocab", cfg.draft_vocab, None),
+        )
+        if value != unset
+    ]
+    if asked:
+        raise BenchError(
+            f"{', '.join(asked)} {'is' if len(asked) == 1 else 'are'} not available with --backend mlx"
+        )
+    require_extra("mlx", "mlx", "mlx_lm")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -37,23 +36,9 @@ from .config import (
     progress_display,
     validate_config,
 )
-from .metrics import SampleRecord, add_speedups, first_difference, stalls, summarize_records
+from .metrics import RunOutput, SampleRecord, add_speedups, first_difference, stalls, summarize_records
 from .mismatches import mismatch_entry, verdict_counts, weigh_flips
 from .report import write_results
-
-
-@dataclass
-class RunOutput:
-    new_ids: list[int]
-    ttft_s: float
-    decode_s: float
-    first_chunk: int  # tokens emitted with the first chunk (1 for plain decoding)
-    step_tokens: list[int]
-    draft_lengths: list[int] = field(default_factory=list)
-    accepted_drafts: list[int] = field(default_factory=list)
-    stop_reason: str = ""
-    grammar_s: float = 0.0
-    step_s: list[float] = field(default_factory=list)  # each decode step's wall time
 
 
 def _sync(device: torch.device) -> None:
@@ -350,7 +335,12 @@ def _run_local(cfg: BenchConfig, datasets: list[BenchDataset]) -> dict[str, Any]
 
     console.print(f"loading {cfg.target}" + (f" + drafter {cfg.draft}" if cfg.draft else ""))
     images = any(c.meta.get("images") for ds in datasets for c in ds.conversations)
-    runner = LocalMethods(cfg, out_dir, images)
+    if cfg.engine == "mlx":
+        from .mlx_methods import MlxMethods
+
+        runner: Any = MlxMethods(cfg)
+    else:
+        runner = LocalMethods(cfg, out_dir, images)
     try:
         return _measure(cfg, datasets, runner, out_dir)
     finally:
@@ -467,7 +457,7 @@ def _measure(
                                 records.append(rec)
                             flips = (
                                 weigh_flips(target, ids, ref.new_ids, differing, runner.block_size or 16)
-                                if greedy
+                                if greedy and getattr(runner, "weighs_flips", True)
                                 else [None] * len(differing)
                             )
                             mismatches += [
@@ -513,7 +503,7 @@ def _local_results(
         add_speedups(by_method)
         summary[group] = by_method
     settings = {
-        "backend": "local",
+        "backend": "mlx" if cfg.engine == "mlx" else "local",
         "target": cfg.target,
         "draft": cfg.draft,
         "assistant": cfg.assistant,

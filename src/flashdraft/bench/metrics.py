@@ -11,6 +11,22 @@ from typing import Any
 from .config import HF_BASELINE, REFERENCE
 
 
+@dataclass
+class RunOutput:
+    """What one method returned for one prompt (the local, MLX and llama.cpp runs alike)."""
+
+    new_ids: list[int]
+    ttft_s: float
+    decode_s: float
+    first_chunk: int  # tokens emitted with the first chunk (1 for plain decoding)
+    step_tokens: list[int]
+    draft_lengths: list[int] = field(default_factory=list)
+    accepted_drafts: list[int] = field(default_factory=list)
+    stop_reason: str = ""
+    grammar_s: float = 0.0
+    step_s: list[float] = field(default_factory=list)  # each decode step's wall time
+
+
 def mean_acceptance_length(acceptance_lengths: Sequence[int]) -> float | None:
     """τ pooled over steps: tokens emitted / target forwards (None without steps)."""
     return sum(acceptance_lengths) / len(acceptance_lengths) if acceptance_lengths else None

@@ -166,7 +166,10 @@ def _cost_model_lines(settings: dict[str, Any]) -> list[str]:
         return [f"- dflash verify length: fixed, {settings.get('verify')}"] if settings.get("verify") else []
     from ..engine.costs import CostModel
 
-    return ["- dflash verify length: auto; " + CostModel.from_dict(settings["cost_model"]).summary()]
+    model = settings["cost_model"]
+    if "summary" in model:  # a price list of its own kind (the MLX backend's): it says itself what it is
+        return ["- dflash verify length: auto; " + model["summary"]]
+    return ["- dflash verify length: auto; " + CostModel.from_dict(model).summary()]
 
 
 def render_report(results: dict[str, Any]) -> str:

@@ -105,7 +105,13 @@ def bench_command(
     readme: Annotated[
         Path | None, typer.Option(help="also write the summary table into this README's marked block")
     ] = None,
-    backend: Annotated[str, typer.Option(help="local | openai")] = "local",
+    backend: Annotated[
+        str,
+        typer.Option(
+            help="local (this process, torch) | mlx (this process, the MLX backend: methods ar, dflash, "
+            "dflash-fixed) | openai (a server)"
+        ),
+    ] = "local",
     base_url: Annotated[
         str | None, typer.Option(help="openai backend: server URL, e.g. http://127.0.0.1:8000")
     ] = None,
@@ -146,7 +152,7 @@ def bench_command(
     command = _redacted_command(sys.argv[1:])
     try:
         datasets = split_datasets(dataset)
-        if backend == "local":
+        if backend in ("local", "mlx"):
             if readme is not None:
                 check_readme(readme)
                 if draft and _is_untrained(draft):
@@ -158,6 +164,8 @@ def bench_command(
                 raise BenchError(
                     "--target is required for the local backend (or use --backend openai --base-url URL)"
                 )
+            if backend == "mlx" and methods == "ar,hf,dflash":  # the default, less transformers' generate
+                methods = "ar,dflash"
             cfg = BenchConfig(
                 target=target, datasets=datasets, methods=parse_methods(methods), draft=draft, assistant=assistant,
                 max_samples=max_samples, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -165,6 +173,7 @@ def bench_command(
                 threads=threads, compile_verify=compile_verify, thinking=thinking, chat=chat, save_outputs=save_outputs, plots=plots,
                 command=command, quantize=quantize, llamacpp=llamacpp, llamacpp_model=llamacpp_model,
                 llamacpp_draft=llamacpp_draft, llamacpp_draft_max=llamacpp_draft_max, llamacpp_args=llamacpp_args,
+                engine="mlx" if backend == "mlx" else "torch",
             )  # fmt: skip
             results = run_bench(cfg)
             if readme is not None:

@@ -10,6 +10,7 @@ import typer
 
 from ..errors import one_line_errors
 from .common import QuantizeOption, console, out, parse_block_size
+from .mlx_backend import BackendOption, mlx_dtype, parse_backend, refuse_torch_only
 
 
 @one_line_errors
@@ -31,6 +32,7 @@ def eval_command(
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
     quantize: QuantizeOption = None,
+    backend: BackendOption = "torch",
 ) -> None:
     """τ (tokens per target forward) at T=0 and a fixed verify length on held-out benchmark prompts."""
     import torch
@@ -58,17 +60,26 @@ def eval_command(
     draft_config = load_drafter_config(draft)
     if block_size is not None:
         parse_block_size(str(block_size), draft_config.block_size)  # the same range check as `generate`
-    pipeline = load_pipeline(target, draft, dtype=dtype, device=device, quantize=quantize)
-    tgt, drafter = pipeline.target, pipeline.drafter
-    with torch.no_grad():  # not set_grad_enabled: a command run in-process leaves its caller's mode alone
-        results = evaluate_tau(tgt, drafter, names, samples, max_new_tokens, block_size=block_size)
+    if parse_backend(backend) == "mlx":
+        refuse_torch_only({"--quantize": quantize, "--device": device, "--threads": threads})
+        from ..mlx import generate as mlx_generate
+        from ..mlx import load_pipeline as load_mlx_pipeline
+
+        tgt, drafter = (mlx := load_mlx_pipeline(target, draft, dtype=mlx_dtype(dtype))).target, mlx.drafter
+        results = evaluate_tau(
+            tgt, drafter, names, samples, max_new_tokens, block_size, generate=mlx_generate
+        )
+        precision, where = tgt.dtype, "MLX"
+    else:
+        pipeline = load_pipeline(target, draft, dtype=dtype, device=device, quantize=quantize)
+        tgt, drafter = pipeline.target, pipeline.drafter
+        with torch.no_grad():  # not set_grad_enabled: a command run in-process leaves its caller's mode alone
+            results = evaluate_tau(tgt, drafter, names, samples, max_new_tokens, block_size=block_size)
+        precision, where = str(tgt.dtype).removeprefix("torch."), str(tgt.device)
     verify = block_size or drafter.block_size
     for name, r in results.items():
         out.print(f"τ {name}: {r['tau']:.2f} over {r['prompts']} prompts ({r['tokens_per_s']:.1f} tok/s)")
-    console.print(
-        f"T=0, verify length {verify}, {max_new_tokens} new tokens, target {str(tgt.dtype).removeprefix('torch.')} "
-        f"on {tgt.device}"
-    )
+    console.print(f"T=0, verify length {verify}, {max_new_tokens} new tokens, target {precision} on {where}")
     if json_out is not None:
         record = {
             "target": target,
@@ -76,7 +87,8 @@ def eval_command(
             "block_size": verify,
             "max_new_tokens": max_new_tokens,
             "samples": samples,
-            "dtype": str(tgt.dtype).removeprefix("torch."),
+            "dtype": precision,
+            "backend": backend,
             "results": results,
         }
         json_out.parent.mkdir(parents=True, exist_ok=True)

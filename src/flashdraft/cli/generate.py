@@ -25,6 +25,7 @@ from .common import (
     parse_tree,
     tree_note,
 )
+from .mlx_backend import BackendOption, generate_mlx, parse_backend, refuse_torch_only
 
 
 # ---------------------------------------------------------------------------------------------- generate
@@ -139,6 +140,7 @@ def generate_command(
         list[Path] | None,
         typer.Option(help="an image for an image-text target (repeatable; they go before the prompt's text)"),
     ] = None,
+    backend: BackendOption = "torch",
 ) -> None:
     """Generate an answer with DFlash speculative decoding (lossless), streaming the text."""
     import torch
@@ -163,6 +165,21 @@ def generate_command(
     if max_new_tokens < 1:
         raise GenerationError(f"--max-new-tokens must be a positive integer, got {max_new_tokens}")
     SamplingParams(temperature, top_p, top_k)
+    if parse_backend(backend) == "mlx":
+        refuse_torch_only(
+            {"--compile": compile_verify, "--quantize": quantize, "--tree": tree, "--draft-vocab": draft_vocab,
+             "--device": device, "--threads": threads, "--image": image, "--draft-sampling": draft_sampling,
+             "--json-schema": json_schema, "--json-object": json_object, "--regex": regex, "--choice": choice,
+             "--grammar": grammar}
+        )  # fmt: skip
+        from ..drafter.checkpoint import load_drafter_config
+
+        return generate_mlx(
+            prompt=prompt, target=target, draft=draft, max_new_tokens=max_new_tokens, temperature=temperature,
+            top_p=top_p, top_k=top_k, block_size=parse_block_size(block_size, load_drafter_config(draft).block_size),
+            seed=seed, compare_ar=compare_ar, as_json=as_json, chat=chat, system=system, thinking=thinking,
+            dtype=dtype, verbose=verbose, streamer=_Streamer, report=_report, summary=_print_summary,
+        )  # fmt: skip
     constraint = constraint_from_options(json_schema, json_object, regex, choice, grammar)
     if threads is not None and threads < 1:
         raise GenerationError(f"--threads must be >= 1, got {threads}")

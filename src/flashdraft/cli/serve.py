@@ -20,6 +20,7 @@ from .common import (
     parse_tree,
     tree_note,
 )
+from .mlx_backend import BackendOption, mlx_dtype, parse_backend, refuse_torch_only
 
 
 @one_line_errors
@@ -56,6 +57,7 @@ def serve_command(
     allow_local_images: Annotated[
         bool, typer.Option(help="image parts may name files on this machine (else data: URLs only)")
     ] = False,
+    backend: BackendOption = "torch",
 ) -> None:
     """Serve the target (with DFlash when --draft is given) behind an OpenAI-compatible API: up to
     --max-batch-size requests decode together (continuous batching), the others wait in a bounded queue."""
@@ -84,11 +86,31 @@ def serve_command(
         raise GenerationError(f"--max-batch-size must be >= 1, got {max_batch_size}")
     if threads:
         torch.set_num_threads(threads)
+    mlx = parse_backend(backend) == "mlx"
+    if mlx:
+        refuse_torch_only(
+            {"--compile": compile_verify, "--quantize": quantize, "--tree": tree, "--draft-vocab": draft_vocab,
+             "--device": device, "--threads": threads, "--images": images}
+        )  # fmt: skip
     try:
         sock = bind_port(host, port)  # before loading: a taken port is said at once
     except ServeError as e:
         print_error(e)
         raise typer.Exit(2) from None
+    if mlx:  # one request decodes at a time on MLX; the others wait in the queue
+        from ..mlx import MlxDecoder, load_pipeline
+
+        mlx_pipeline = load_pipeline(target, draft, dtype=mlx_dtype(dtype))
+        decoder = MlxDecoder(mlx_pipeline.target, mlx_pipeline.drafter, verify)
+        engine = Engine(
+            mlx_pipeline.target, mlx_pipeline.drafter, max_queue=max_queue, decoder=decoder, start=False
+        )
+        name = served_model_name or target
+        how = ("DFlash " + str(draft) if draft else "plain decoding") + ", MLX backend"
+        console.print(f"serving {name!r} ({how}) on {bound_address(sock)}/v1", soft_wrap=True)
+        if not run_server(engine, build_app(engine, name, allow_local_images), sock):
+            raise typer.Exit(1)
+        return
     pipeline = load_noting(
         target,
         draft,

@@ -155,16 +155,22 @@ class Engine:
         costs: Any = None,
         start: bool = True,
         tree: int | str | None = None,
+        decoder: Any = None,
     ) -> None:
         """`start`: run the worker in a thread of its own now; False: the caller runs it (`run()`), as `serve` does
-        on the main thread. `tree`: draft trees of at most this many nodes (DFlash drafters; tree.py)."""
+        on the main thread. `tree`: draft trees of at most this many nodes (DFlash drafters; tree.py). `decoder`:
+        another backend's decoder with `BatchDecoder`'s surface (the MLX one, flashdraft.mlx.MlxDecoder)."""
         self.target = target
         self.draft = draft
         self.block_size = block_size
         self.max_queue = max_queue
-        self.max_batch_size = max_batch_size
-        self.decoder = BatchDecoder(
-            target, batch_proposer(target, draft, block_size, costs, tree=tree), max_batch_size
+        self.max_batch_size = max_batch_size if decoder is None else decoder.max_batch_size
+        self.decoder = (
+            decoder
+            if decoder is not None
+            else BatchDecoder(
+                target, batch_proposer(target, draft, block_size, costs, tree=tree), max_batch_size
+            )
         )
         self._queue: queue.Queue[RequestHandle | None] = queue.Queue(maxsize=max_queue)
         self._closing = False

@@ -477,25 +477,37 @@ class Target:
         extra variables for the template, as `chat_template_kwargs` in the OpenAI-compatible servers)."""
         if self.tokenizer is None:
             raise TargetError("this target has no tokenizer; pass token ids instead of text")
-        tok = self.tokenizer
-        if chat and getattr(tok, "chat_template", None):
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-            if system is not None:
-                messages = [{"role": "system", "content": system}, *messages]
-            kwargs = dict(template_kwargs or {})
-            if enable_thinking is not None:
-                kwargs["enable_thinking"] = enable_thinking
-            for reserved in ("conversation", "add_generation_prompt", "tokenize", "return_dict"):
-                kwargs.pop(reserved, None)
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-        else:
-            text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
-            ids = tok(text)["input_ids"]
-        if ids and isinstance(ids[0], list):
-            ids = ids[0]
+        ids = encode_chat(self.tokenizer, prompt, chat, enable_thinking, system, template_kwargs)
         return torch.tensor([ids], dtype=torch.long, device=self.device)
+
+
+def encode_chat(
+    tok: Any,
+    prompt: str | list[dict[str, str]],
+    chat: bool = True,
+    enable_thinking: bool | None = None,
+    system: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """A prompt's token ids through the tokenizer's chat template when it has one (every backend encodes so)."""
+    if chat and getattr(tok, "chat_template", None):
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if system is not None:
+            messages = [{"role": "system", "content": system}, *messages]
+        kwargs = dict(template_kwargs or {})
+        if enable_thinking is not None:
+            kwargs["enable_thinking"] = enable_thinking
+        for reserved in ("conversation", "add_generation_prompt", "tokenize", "return_dict"):
+            kwargs.pop(reserved, None)
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+    else:
+        text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+        ids = tok(text)["input_ids"]
+    if ids and isinstance(ids[0], list):
+        ids = ids[0]
+    return list(ids)
 
 
 def check_drafter_fits(

@@ -33,9 +33,12 @@ def evaluate_tau(
     enable_thinking: bool | None = None,
     system: str | None = None,
     progress: bool = True,
+    generate: Any = None,
 ) -> dict[str, dict[str, float]]:
-    """Mean τ (per-prompt means averaged, as z-lab does) at T=0 on held-out benchmark prompts, first turn."""
-    from ..generate import generate
+    """Mean τ (per-prompt means averaged, as z-lab does) at T=0 on held-out benchmark prompts, first turn.
+    `generate`: another backend's (flashdraft.mlx.generate; None: the torch engine's)."""
+    if generate is None:
+        from ..generate import generate
     from ..prompts.benchmarks import load_bench_dataset
 
     results: dict[str, dict[str, float]] = {}

@@ -1,0 +1,144 @@
+"""`flashdraft bench --backend mlx`: the local benchmark's methods ar, dflash and dflash-fixed decoded by the MLX
+backend (flashdraft.mlx), behind the interface of local.py's `LocalMethods`, so the report is the same one."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .config import BenchConfig, BenchError, console
+from .metrics import RunOutput
+
+
+@dataclass(frozen=True)
+class MlxKernels:
+    """What the report's kernel fields say of an MLX run: mlx-lm's own kernels, nothing compiled by flashdraft."""
+
+    compiled: bool = False
+    static_cache: bool = False
+
+    def describe(self) -> str:
+        import mlx.core as mx
+
+        return f"mlx {mx.__version__} on {mx.default_device()}: mlx-lm's target, the MLX drafter (eager)"
+
+
+class MlxBenchTarget:
+    """The MLX target as the benchmark reads a target: its tokenizer, prompts, context and stops."""
+
+    def __init__(self, target: Any) -> None:
+        self.mlx = target
+        self.tokenizer = target.tokenizer
+        self.device = torch.device("cpu")  # the host the report describes (MLX's own device is in `kernels`)
+        self.plan = MlxKernels()
+        self.max_context = target.max_context
+        self.dtype = target.dtype
+        bits = (target.config.get("quantization") or {}).get("bits")
+        self.quantize = f"mlx {bits}-bit" if bits else None
+        eos = target.config.get("eos_token_id")
+        self.eos_token_ids = sorted(
+            set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+            | (
+                {target.tokenizer.eos_token_id}
+                if getattr(target.tokenizer, "eos_token_id", None) is not None
+                else set()
+            )
+        )
+
+    def encode_prompt(
+        self, messages: Any, chat: bool = True, enable_thinking: Any = None, system: Any = None
+    ):
+        from ..targets.target import encode_chat
+
+        return torch.tensor([encode_chat(self.tokenizer, messages, chat, enable_thinking, system)])
+
+
+class MlxMethods:
+    """Loads the MLX pipeline once and runs ar / dflash / dflash-fixed on a prompt."""
+
+    weighs_flips = False  # greedy mismatches are reported, not re-scored by the torch target
+
+    def __init__(self, cfg: BenchConfig) -> None:
+        from ..mlx import load_pipeline
+
+        self.cfg = cfg
+        wants_draft = any(m != "ar" for m in cfg.methods)
+        self.pipeline = load_pipeline(cfg.target, cfg.draft if wants_draft else None, dtype=cfg.dtype)
+        self.target = MlxBenchTarget(self.pipeline.target)
+        self.compile_note = None
+        self.device = self.target.device
+        self.stop_ids = self.target.eos_token_ids
+        self.draft = self.pipeline.drafter
+        self.block_size = self.draft.block_size if self.draft is not None else None
+        self.verify: int | str = cfg.block_size or "auto"
+        if self.block_size and cfg.block_size and cfg.block_size > self.block_size:
+            raise BenchError(
+                f"--block-size {cfg.block_size} exceeds the drafter's block size {self.block_size}"
+            )
+        self.cost_model = None
+        if self.draft is not None and self.verify == "auto" and "dflash" in cfg.methods:
+            from ..mlx.policy import measure_prices
+
+            self.draft.prices = self.cost_model = measure_prices(self.pipeline.target, self.draft)
+            console.print(self.cost_model.summary(), soft_wrap=True)
+        self.assistant = self.llamacpp = None
+
+    def close(self) -> None:
+        pass
+
+    @property
+    def drafter_info(self) -> dict[str, Any] | None:
+        if self.draft is None:
+            return None
+        from mlx.utils import tree_flatten
+
+        c = self.draft.config
+        return {
+            "path": str(self.cfg.draft),
+            "block_size": c.block_size,
+            "layers": c.num_hidden_layers,
+            "target_layer_ids": list(c.target_layer_ids),
+            "mask_token_id": c.mask_token_id,
+            "parameters": sum(v.size for _, v in tree_flatten(self.draft.parameters())),
+            "draft_vocab": None,
+            "flashdraft": getattr(c, "flashdraft", None) or {},
+        }
+
+    def hf_generation_settings(self) -> dict[str, Any]:
+        return {}
+
+    def run(self, method: str, input_ids: Any, max_new_tokens: int, seed: int, response_format: Any = None):
+        from ..mlx import generate, generate_ar
+
+        if response_format is not None:
+            raise BenchError(
+                "structured-output records are not run by the MLX backend (the torch backend runs them)"
+            )
+        seen: list[float] = []
+        common = dict(
+            temperature=self.cfg.temperature,
+            seed=seed,
+            stop_token_ids=self.stop_ids,
+            on_tokens=lambda _ids: seen.append(time.perf_counter()),
+        )
+        ids = input_ids[0].tolist()
+        if method == "ar":
+            res = generate_ar(self.pipeline, ids, max_new_tokens, **common)
+        else:
+            verify = self.block_size if method == "dflash-fixed" else self.verify
+            res = generate(self.pipeline, None, ids, max_new_tokens, block_size=verify, **common)
+        drafting = method != "ar"
+        return RunOutput(
+            new_ids=res.new_tokens,
+            ttft_s=res.prefill_s,
+            decode_s=res.decode_s,
+            first_chunk=1,
+            step_tokens=list(res.acceptance_lengths),
+            draft_lengths=list(res.draft_lengths) if drafting else [],
+            accepted_drafts=list(res.accepted_drafts) if drafting else [],
+            stop_reason=res.stop_reason,
+            step_s=[b - a for a, b in zip(seen, seen[1:], strict=False)],
+        )
