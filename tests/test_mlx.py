@@ -21,6 +21,7 @@ mx = pytest.importorskip("mlx.core", reason="the MLX backend: make test-mlx")
 pytest.importorskip("mlx_lm", reason="the MLX backend: make test-mlx")
 
 from flashdraft import DFlashDraftModel  # noqa: E402
+from flashdraft.engine.grammar import Constraint  # noqa: E402
 from flashdraft.mlx import decode, generate, generate_ar, load_pipeline  # noqa: E402
 from flashdraft.mlx.drafter import DraftContext, load_drafter  # noqa: E402
 from flashdraft.mlx.target import load_target  # noqa: E402
@@ -537,11 +538,34 @@ def test_smollm2_with_the_shipped_drafter_on_mlx(tmp_path):
     assert got.mean_acceptance_length > 1.3
 
 
+def test_structured_output_on_mlx_is_plain_constrained_decoding(tmp_path, monkeypatch):
+    """A grammar on the MLX loop (xgrammar's masks, engine/grammar.py's rule: position j masked by the state after
+    the first j drafts): DFlash and proposals accepted several at a time emit exactly what plain constrained
+    decoding emits, greedy and sampled, and only what the grammar allows."""
+    pattern = "(w[3-9])+"
+    save_pair(tmp_path, "llama")
+    pipeline = load_pipeline(tmp_path / "target", tmp_path / "draft")
+    target, constraint = pipeline.target, Constraint("regex", pattern)
+    long_accepts = 0
+    for i, ids in enumerate(prompts(3, seed=10)):
+        for temperature in (0.0, 0.9):
+            kwargs = dict(temperature=temperature, seed=3, response_format=constraint)
+            plain = generate_ar(target, ids, 12, **kwargs)
+            body = [t for t in plain.new_tokens if t != 2]  # </s> may end it where the regex is complete
+            assert body and all(3 <= t <= 9 for t in body)
+            assert generate(pipeline, None, ids, 12, block_size=8, **kwargs).new_tokens == plain.new_tokens
+            oracle_proposals(monkeypatch, ids + plain.new_tokens, random.Random(i))
+            got = decode(target, None, ids, 12, lookup=True, **kwargs)
+            monkeypatch.undo()
+            assert got.new_tokens == plain.new_tokens
+            long_accepts += sum(a > 1 for a in got.acceptance_lengths)
+    assert long_accepts > 0
+
+
 # ------------------------------------------------------------------------------------------------ serve
 def test_served_on_mlx_answers_are_plain_decodings(tmp_path):
     """`flashdraft serve --backend mlx`'s engine: the OpenAI surface over the MLX decoder (one request decoding at a
-    time, the others queued): each answer is plain decoding's, streamed or not; a request the backend cannot run
-    fails alone and the server keeps serving."""
+    time, the others queued): each answer is plain decoding's, streamed or not, under a grammar too."""
     openai = pytest.importorskip("openai")
     from concurrent.futures import ThreadPoolExecutor
 
@@ -578,13 +602,21 @@ def test_served_on_mlx_answers_are_plain_decodings(tmp_path):
             )
             text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
             assert text == answers[0].choices[0].message.content
-            with pytest.raises(openai.BadRequestError, match="structured output is not available"):
-                client.chat.completions.create(
-                    model="tiny",
-                    messages=conversations[0],
-                    max_tokens=8,
-                    response_format={"type": "json_object"},
-                )
+            regex = {
+                "guided_regex": "(w[3-9])+"
+            }  # structured output: the grammar's masks on the MLX loop's logits
+            constrained = client.chat.completions.create(
+                model="tiny", messages=conversations[2], max_tokens=10, temperature=0, extra_body=regex
+            )
+            plain = generate_ar(
+                target,
+                target.encode_prompt(conversations[2]),
+                10,
+                response_format=Constraint("regex", "(w[3-9])+"),
+            )
+            assert constrained.choices[0].message.content == target.tokenizer.decode(
+                plain.new_tokens, skip_special_tokens=True
+            )
             assert ask(conversations[1]).choices[0].message.content == answers[1].choices[0].message.content
     finally:
         engine.close()

@@ -113,12 +113,9 @@ class MlxMethods:
     def run(self, method: str, input_ids: Any, max_new_tokens: int, seed: int, response_format: Any = None):
         from ..mlx import generate, generate_ar
 
-        if response_format is not None:
-            raise BenchError(
-                "structured-output records are not run by the MLX backend (the torch backend runs them)"
-            )
         seen: list[float] = []
         common = dict(
+            response_format=response_format,
             temperature=self.cfg.temperature,
             seed=seed,
             stop_token_ids=self.stop_ids,

@@ -165,12 +165,11 @@ def generate_command(
     if max_new_tokens < 1:
         raise GenerationError(f"--max-new-tokens must be a positive integer, got {max_new_tokens}")
     SamplingParams(temperature, top_p, top_k)
+    constraint = constraint_from_options(json_schema, json_object, regex, choice, grammar)
     if parse_backend(backend) == "mlx":
         refuse_torch_only(
             {"--compile": compile_verify, "--quantize": quantize, "--tree": tree, "--draft-vocab": draft_vocab,
-             "--device": device, "--threads": threads, "--image": image, "--draft-sampling": draft_sampling,
-             "--json-schema": json_schema, "--json-object": json_object, "--regex": regex, "--choice": choice,
-             "--grammar": grammar}
+             "--device": device, "--threads": threads, "--image": image, "--draft-sampling": draft_sampling}
         )  # fmt: skip
         from ..drafter.checkpoint import load_drafter_config
 
@@ -178,9 +177,9 @@ def generate_command(
             prompt=prompt, target=target, draft=draft, max_new_tokens=max_new_tokens, temperature=temperature,
             top_p=top_p, top_k=top_k, block_size=parse_block_size(block_size, load_drafter_config(draft).block_size),
             seed=seed, compare_ar=compare_ar, as_json=as_json, chat=chat, system=system, thinking=thinking,
-            dtype=dtype, verbose=verbose, streamer=_Streamer, report=_report, summary=_print_summary,
+            dtype=dtype, verbose=verbose, constraint=constraint, streamer=_Streamer, report=_report,
+            summary=_print_summary,
         )  # fmt: skip
-    constraint = constraint_from_options(json_schema, json_object, regex, choice, grammar)
     if threads is not None and threads < 1:
         raise GenerationError(f"--threads must be >= 1, got {threads}")
     dev = parse_device(device)

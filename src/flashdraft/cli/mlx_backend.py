@@ -32,11 +32,6 @@ TORCH_ONLY = {
     "--image": None,
     "--images": None,
     "--draft-sampling": "match",
-    "--json-schema": None,
-    "--json-object": False,
-    "--regex": None,
-    "--choice": None,
-    "--grammar": None,
 }
 
 
@@ -94,6 +89,7 @@ def generate_mlx(
     thinking: bool | None,
     dtype: str | None,
     verbose: bool,
+    constraint: Any,
     streamer: Any,
     report: Any,
     summary: Any,
@@ -113,9 +109,13 @@ def generate_mlx(
     if verbose:
         console.print(f"loaded {target} and drafter {draft} on MLX in {load_s:.1f} s")
     ids = encode_chat(tgt.tokenizer, prompt, chat, thinking, system)
+    if constraint is not None:  # an invalid regex or grammar is named before any decoding
+        from ..engine.grammar import compile_constraint
+
+        compile_constraint(tgt, constraint)
     if seed is None and compare_ar:  # sampling is seed-exact: one seed for both runs makes them comparable
         seed = random.randrange(2**31)
-    kwargs = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    kwargs = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, response_format=constraint)
     if block_size == "auto" and pipeline.drafter.prices is None:
         console.print("measuring this MLX device's prices for the verify policy…")
     # Warm both paths up so first-call overheads do not count against either of them.

@@ -24,6 +24,13 @@ from typing import Any
 
 import numpy as np
 
+from ..engine.grammar import (
+    Constraint,
+    RowGrammar,
+    compile_constraint,
+    constraint_from_response_format,
+    mask_logits,
+)
 from ..engine.lookup import LOOKUP_MAX_NGRAM, LOOKUP_MAX_TOKENS, prompt_lookup
 from ..engine.request import BatchRow, GenerationError, GenerationResult, check_block_size
 from ..sampling import SamplingParams
@@ -89,7 +96,6 @@ class MlxDecoder:
     (`max_batch_size` 1): a request is a batch of one, and the server queues the others."""
 
     static = False  # nothing compiled: the server has no graphs to warm up
-    structured_output = False  # the grammar masks run on torch logits: the server refuses such requests (400)
 
     def __init__(
         self,
@@ -140,16 +146,15 @@ class MlxDecoder:
         """Prefill a new row (its first token drawn); it joins unless that token already ends it."""
         import torch  # the row's prompt as the engine's rows hold it (its result's ids come from it)
 
-        if constraint is not None:
-            raise GenerationError(
-                "structured output is not available on the MLX backend (the torch backend runs it)"
-            )
         if self.full:
             raise GenerationError(f"the batch is full ({self.max_batch_size} row)")
         ids = _prompt_ids(input_ids, self.target, max_new_tokens)
         seed = int(seed) if seed is not None else int(np.random.default_rng().integers(0, 2**62))
         stops = set(self.target.eos_token_ids if stop_token_ids is None else stop_token_ids)
-        row = BatchRow(torch.tensor([ids]), max_new_tokens, sampling, stops, seed, on_tokens, tag=tag)
+        grammar = None if constraint is None else RowGrammar(compile_constraint(self.target, constraint))
+        row = BatchRow(
+            torch.tensor([ids]), max_new_tokens, sampling, stops, seed, on_tokens, tag=tag, grammar=grammar
+        )
         cache = self.target.make_cache()
         self.target.check_rollback(cache)
         t0 = time.perf_counter()
@@ -158,7 +163,16 @@ class MlxDecoder:
         if self.drafter is not None:
             state.context.append(self.drafter.context_kv(features, 0))
         state.policy = self.policy
-        first = target_tokens(np.array(logits[-1:]), sampling, seed, len(ids))[0]
+        last = np.array(logits[-1:])
+        if grammar is not None and _constrain(last, [], grammar) == 0:
+            row.result = GenerationResult(sequences=row.prompt, prompt_length=len(ids))
+            row.started = time.perf_counter()
+            row.result.prefill_s = row.started - t0
+            row.finish("no_allowed_token")  # the grammar allows no first token with this tokenizer
+            return row
+        first = target_tokens(last, sampling, seed, len(ids))[0]
+        if grammar is not None:
+            grammar.advance([first])
         row.tokens.append(first)
         row.history.extend([*ids, first])
         row.started = time.perf_counter()
@@ -213,7 +227,9 @@ class MlxDecoder:
             drafts = drafts[: n if policy is None else min(n, policy.choose(confidences))]
         snapshot = target.snapshot(state.cache) if drafts else None
         logits, features = target.forward([anchor, *drafts], state.cache)
-        verified = target_tokens(np.array(logits), row.sampling, row.seed, anchor_position + 1)
+        host = np.array(logits)
+        dead = None if row.grammar is None else _constrain(host, drafts, row.grammar)
+        verified = target_tokens(host, row.sampling, row.seed, anchor_position + 1)
         a = 0
         while a < len(drafts) and drafts[a] == verified[a]:
             a += 1
@@ -227,11 +243,15 @@ class MlxDecoder:
         if drafter is not None:  # the anchor and the accepted drafts join the drafter's context
             state.context.append(drafter.context_kv(features[: a + 1], anchor_position))
         emitted, reason = verified[: a + 1], None
+        if dead is not None and dead <= a:  # the grammar allows no token there: the row ends before it
+            emitted, reason = emitted[:dead], "no_allowed_token"
         for i, tok in enumerate(emitted):
             if tok in row.stops:
                 emitted, reason = emitted[: i + 1], "stop_token"
                 break
         emitted = emitted[: row.max_new_tokens - len(row.tokens)]
+        if row.grammar is not None:
+            row.grammar.advance(emitted)
         row.tokens.extend(emitted)
         row.history.extend(emitted)
         result = row.result
@@ -245,6 +265,16 @@ class MlxDecoder:
         if reason is not None:
             row.finish(reason)
         return reason is not None
+
+
+def _constrain(logits: np.ndarray, drafts: list[int], grammar: RowGrammar) -> int | None:
+    """A constrained row's logits [n + 1, V] masked in place, position j by the grammar's state after the first j
+    drafts (engine/grammar.py's rule, through xgrammar's masks on a view of the same memory); returns the first
+    position no token can take there, or None."""
+    import torch
+
+    view = torch.from_numpy(logits)[None]  # [1, n + 1, V], the same memory
+    return mask_logits(view, {0: drafts}, {0: grammar}).get(0)
 
 
 @dataclass
@@ -270,12 +300,18 @@ def decode(
     stop_token_ids: Sequence[int] | None = None,
     on_tokens: Callable[[list[int]], Any] | None = None,
     lookup: bool = False,
+    response_format: Any = None,
 ) -> GenerationResult:
     """One request through `MlxDecoder`. `drafter` None: plain decoding (one token per target forward), or with
     `lookup` prompt-lookup decoding (proposals copied from earlier in the text)."""
     params = SamplingParams(temperature, top_p, top_k)
     decoder = MlxDecoder(target, drafter, block_size, lookup)
-    row = decoder.add(input_ids, max_new_tokens, params, stop_token_ids, seed, on_tokens)
+    constraint = response_format
+    if response_format is not None and not isinstance(response_format, Constraint):
+        constraint = constraint_from_response_format(response_format)  # OpenAI's dict, as the torch API takes
+    row = decoder.add(
+        input_ids, max_new_tokens, params, stop_token_ids, seed, on_tokens, constraint=constraint
+    )
     while not row.done:
         decoder.step()
     return row.result

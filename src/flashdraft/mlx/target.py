@@ -234,7 +234,9 @@ class LayerTaps:
         return mx.concatenate([self.outputs[i] for i in self.layer_ids], axis=-1)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(
+    eq=False
+)  # hashed by identity: structured output caches its grammar compiler per target
 class MlxTarget:
     """The target on MLX: the mlx-lm model, its tokenizer, its taps, and what the drafter reads from it."""
 

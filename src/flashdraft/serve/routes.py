@@ -192,9 +192,6 @@ class OpenAIRoutes:
                 raise APIError(400, f"tool_choice and {asked_by} both constrain the output: give one",
                                param="tool_choice")  # fmt: skip
             constraint, asked_by = call_constraint, "tools"
-        if constraint is not None and not getattr(self.engine.decoder, "structured_output", True):
-            raise APIError(400, f"{asked_by}: structured output is not available on this server's backend",
-                           param=asked_by)  # fmt: skip
         if constraint is not None:
             try:  # compiled here (and cached), so a bad schema is a 400 before the request queues
                 compile_constraint(self.target, constraint)
