@@ -57,8 +57,9 @@ test-zlab:
 	$(ZLAB_VENV)/bin/python -m pytest -q -p no:cacheprovider -m zlab tests/test_zlab.py
 
 # The MLX backend (flashdraft.mlx; Apple silicon, tested here on mlx's Linux CPU build), kept out of the default
-# install (with [structured]: the grammar tests): tiny random targets against transformers and the torch engine, the drafter against the torch drafter,
-# and z-lab's own MLX code (PyPI dflash==0.1.0, its model_mlx; no dependencies pulled) as a second oracle.
+# install: tiny random targets against transformers and the torch engine, the drafter against the torch drafter,
+# structured output ([structured]), and z-lab's own MLX code (PyPI dflash==0.1.0, its model_mlx; no dependencies
+# pulled) as a second oracle.
 MLX_VENV ?= .venv-mlx
 test-mlx:
 	test -x $(MLX_VENV)/bin/python || $(PYTHON) -m venv $(MLX_VENV)
