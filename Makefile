@@ -58,14 +58,14 @@ test-zlab:
 
 # The MLX backend (flashdraft.mlx; Apple silicon, tested here on mlx's Linux CPU build), kept out of the default
 # install: tiny random targets against transformers and the torch engine, the drafter against the torch drafter,
-# structured output ([structured]), and z-lab's own MLX code (PyPI dflash==0.1.0, its model_mlx; no dependencies
+# structured output ([structured]), SmolLM2 from its pack ([packs]), and z-lab's own MLX code (PyPI dflash==0.1.0, its model_mlx; no dependencies
 # pulled) as a second oracle.
 MLX_VENV ?= .venv-mlx
 test-mlx:
 	test -x $(MLX_VENV)/bin/python || $(PYTHON) -m venv $(MLX_VENV)
 	$(MLX_VENV)/bin/python -m pip install -q --upgrade pip
 	$(MLX_VENV)/bin/python -m pip install --progress-bar off "$(TORCH_SPEC)"
-	$(MLX_VENV)/bin/python -m pip install --progress-bar off -e ".[test,mlx,structured]"
+	$(MLX_VENV)/bin/python -m pip install --progress-bar off -e ".[test,mlx,structured,packs]"
 	$(MLX_VENV)/bin/python -m pip install --progress-bar off --no-deps "dflash==0.1.0"
 	$(MLX_VENV)/bin/python -c "import mlx_lm, dflash.model_mlx"  # fail here, not as skipped tests, if it did not install
 	$(MLX_VENV)/bin/python -m pytest -q -p no:cacheprovider -m mlx tests/test_mlx.py
