@@ -51,16 +51,21 @@ def prompts(count: int = 4, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(3, 14))] for _ in range(count)]
 
 
+def assert_logits_match(target, model, ids: list[int]) -> None:
+    """The MLX target's fp32 logits over `ids` within 1e-4 of transformers'."""
+    logits, _ = target.forward(ids, target.make_cache())
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    assert np.abs(np.array(logits) - ref).max() <= 1e-4
+
+
 # ------------------------------------------------------------------------------------------------ the target
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_target_logits_and_greedy_tokens_match_transformers(tmp_path, arch):
     model, _ = save_pair(tmp_path, arch)
     target = load_target(tmp_path / "target")
     for ids in prompts(3):
-        logits, _ = target.forward(ids, target.make_cache())
-        with torch.no_grad():
-            ref = model(torch.tensor([ids])).logits[0].numpy()
-        assert np.abs(np.array(logits) - ref).max() <= 1e-4, arch
+        assert_logits_match(target, model, ids)
         plain = generate_ar(target, ids, 12, stop_token_ids=[])
         assert plain.new_tokens == hf_greedy(model, torch.tensor([ids]), 12, None), arch
 
@@ -85,10 +90,7 @@ def test_transformers5_rope_parameters_reach_mlx_lm(tmp_path):
     assert "rope_theta" not in config and config["rope_parameters"]["rope_theta"] == 500.0
     target = load_target(tmp_path / "target")
     ids = list(range(3, 40))
-    logits, _ = target.forward(ids, target.make_cache())
-    with torch.no_grad():
-        ref = model(torch.tensor([ids])).logits[0].numpy()
-    assert np.abs(np.array(logits) - ref).max() <= 1e-4
+    assert_logits_match(target, model, ids)
 
 
 def test_unmappable_config_fields_are_refused_by_name(tmp_path):
@@ -104,10 +106,7 @@ def test_gemma3_sliding_window_target_is_exact(tmp_path, monkeypatch):
     model, _ = save_pair(tmp_path, "gemma3")
     target = load_target(tmp_path / "target")
     ids = list(range(3, 23))
-    logits, _ = target.forward(ids, target.make_cache())
-    with torch.no_grad():
-        ref = model(torch.tensor([ids])).logits[0].numpy()
-    assert np.abs(np.array(logits) - ref).max() <= 1e-4
+    assert_logits_match(target, model, ids)
     pipeline = load_pipeline(tmp_path / "target", tmp_path / "draft")
     partial = 0
     for i, ids in enumerate(prompts(3, seed=8)):
@@ -178,10 +177,7 @@ def test_qwen35_gated_deltanet_target_rolls_back_exactly(tmp_path, monkeypatch):
     target = load_target(tmp_path)
     assert any("GatedDeltaNet" in type(m).__name__ for _, m in target.model.named_modules())
     ids = prompts(1)[0]
-    logits, _ = target.forward(ids, target.make_cache())
-    with torch.no_grad():
-        ref = model(torch.tensor([ids])).logits[0].numpy()
-    assert np.abs(np.array(logits) - ref).max() <= 1e-4
+    assert_logits_match(target, model, ids)
     partial = 0
     for i, ids in enumerate(prompts(4, seed=7)):
         for temperature in (0.0, 0.9):
@@ -201,9 +197,7 @@ def test_qwen35_layer_patterns_pass_as_an_interval_or_are_refused(tmp_path):
     model = save_qwen35(tmp_path / "a", [LINEAR, LINEAR, FULL, LINEAR])  # every 3rd layer attention
     target = load_target(tmp_path / "a")
     ids = prompts(1)[0]
-    logits, _ = target.forward(ids, target.make_cache())
-    with torch.no_grad():
-        assert np.abs(np.array(logits) - model(torch.tensor([ids])).logits[0].numpy()).max() <= 1e-4
+    assert_logits_match(target, model, ids)
     save_qwen35(tmp_path / "b", [LINEAR, FULL, LINEAR, LINEAR])  # no interval builds this
     with pytest.raises(TargetError, match="ignores layer_types"):
         load_target(tmp_path / "b")

@@ -191,6 +191,20 @@ def validate_config(cfg: BenchConfig) -> None:
         check_quantize(cfg.quantize, parse_dtype(cfg.dtype), parse_device(cfg.device))
 
 
+def drafter_record(path: Any, config: Any, parameters: int, draft_vocab: int | None) -> dict[str, Any]:
+    """What results.json says of the drafter a run used (either backend's)."""
+    return {
+        "path": str(path),
+        "block_size": config.block_size,
+        "layers": config.num_hidden_layers,
+        "target_layer_ids": list(config.target_layer_ids),
+        "mask_token_id": config.mask_token_id,
+        "parameters": parameters,
+        "draft_vocab": draft_vocab,  # the head's tokens (None: all)
+        "flashdraft": getattr(config, "flashdraft", None) or {},
+    }
+
+
 def machine_info(
     device: torch.device | str | None = None, dtype: torch.dtype | None = None
 ) -> dict[str, Any]:

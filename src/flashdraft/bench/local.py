@@ -31,6 +31,7 @@ from .config import (
     console,
     dataset_info,
     default_out_dir,
+    drafter_record,
     load_datasets,
     machine_info,
     progress_display,
@@ -143,18 +144,9 @@ class LocalMethods:
             return None
         from ..drafter.vocab import drafter_vocabulary
 
-        c = self.draft.config
         vocab = drafter_vocabulary(self.draft, self.target, self.target.vocab_size)
-        return {
-            "path": str(self.cfg.draft),
-            "block_size": c.block_size,
-            "layers": c.num_hidden_layers,
-            "target_layer_ids": list(c.target_layer_ids),
-            "mask_token_id": c.mask_token_id,
-            "parameters": self.draft.num_parameters(),
-            "draft_vocab": None if vocab is None else vocab.numel(),  # the head's tokens (None: all)
-            "flashdraft": getattr(c, "flashdraft", None) or {},
-        }
+        count = None if vocab is None else vocab.numel()
+        return drafter_record(self.cfg.draft, self.draft.config, self.draft.num_parameters(), count)
 
     def hf_generation_settings(self) -> dict[str, Any]:
         """The transformers settings that decide what sd/pld do (recorded in results.json)."""

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .config import BenchConfig, BenchError, console
+from .config import BenchConfig, BenchError, console, drafter_record
 from .metrics import RunOutput
 
 
@@ -95,17 +95,8 @@ class MlxMethods:
             return None
         from mlx.utils import tree_flatten
 
-        c = self.draft.config
-        return {
-            "path": str(self.cfg.draft),
-            "block_size": c.block_size,
-            "layers": c.num_hidden_layers,
-            "target_layer_ids": list(c.target_layer_ids),
-            "mask_token_id": c.mask_token_id,
-            "parameters": sum(v.size for _, v in tree_flatten(self.draft.parameters())),
-            "draft_vocab": None,
-            "flashdraft": getattr(c, "flashdraft", None) or {},
-        }
+        parameters = sum(v.size for _, v in tree_flatten(self.draft.parameters()))
+        return drafter_record(self.cfg.draft, self.draft.config, parameters, None)
 
     def hf_generation_settings(self) -> dict[str, Any]:
         return {}

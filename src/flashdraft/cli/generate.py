@@ -25,7 +25,7 @@ from .common import (
     parse_tree,
     tree_note,
 )
-from .mlx_backend import BackendOption, generate_mlx, parse_backend, refuse_torch_only
+from .mlx_backend import BackendOption, mlx_dtype, parse_backend, refuse_torch_only
 
 
 # ---------------------------------------------------------------------------------------------- generate
@@ -177,8 +177,7 @@ def generate_command(
             prompt=prompt, target=target, draft=draft, max_new_tokens=max_new_tokens, temperature=temperature,
             top_p=top_p, top_k=top_k, block_size=parse_block_size(block_size, load_drafter_config(draft).block_size),
             seed=seed, compare_ar=compare_ar, as_json=as_json, chat=chat, system=system, thinking=thinking,
-            dtype=dtype, verbose=verbose, constraint=constraint, streamer=_Streamer, report=_report,
-            summary=_print_summary,
+            dtype=dtype, verbose=verbose, constraint=constraint,
         )  # fmt: skip
     if threads is not None and threads < 1:
         raise GenerationError(f"--threads must be >= 1, got {threads}")
@@ -254,26 +253,112 @@ def generate_command(
     if compare_ar:
         generate_ar(tgt, text_ids[:, -8:], max_new_tokens=4, stop_token_ids=[])
 
-    streamer = _Streamer(tgt.tokenizer, enabled=not as_json)
-    res = generate(
-        tgt, drafter, ids, max_new_tokens, costs=costs, on_tokens=streamer, draft_sampling=draft_sampling,
-        **spec, **kwargs,
+    res, ar, text = decode_and_compare(
+        lambda streamer: generate(
+            tgt, drafter, ids, max_new_tokens, costs=costs, on_tokens=streamer, draft_sampling=draft_sampling,
+            **spec, **kwargs,
+        ),
+        (lambda: generate_ar(tgt, ids, max_new_tokens, **kwargs)) if compare_ar else None,
+        tgt.tokenizer, as_json, max_new_tokens,
     )  # fmt: skip
+    report = _report(text, target, draft, drafter, res, ar, load_s, verify, nodes)
+    show_report(report, res, ar, as_json, temperature, seed, draft_sampling)
+
+
+def decode_and_compare(
+    run: Any, run_plain: Any, tokenizer: Any, as_json: bool, max_new_tokens: int
+) -> tuple[Any, Any, str]:
+    """The answer, streamed unless --json (`run(on_tokens)`), then plain decoding of the same prompt when
+    --compare-ar asks (`run_plain()`): (result, plain result or None, the answer's text). Every backend's generate."""
+    res = run(_Streamer(tokenizer, enabled=not as_json))
     if not as_json:
         sys.stdout.write("\n")
     ar = None
-    if compare_ar:
+    if run_plain is not None:
         console.print(
             f"running plain decoding on the same prompt for comparison ({max_new_tokens} tokens at most)…"
         )
-        ar = generate_ar(tgt, ids, max_new_tokens, **kwargs)
+        ar = run_plain()
+    return res, ar, tokenizer.decode(res.new_tokens, skip_special_tokens=True)
 
-    text = tgt.tokenizer.decode(res.new_tokens, skip_special_tokens=True)
-    report = _report(text, target, draft, drafter, res, ar, load_s, verify, nodes)
+
+def show_report(
+    report: dict[str, Any],
+    res: Any,
+    ar: Any,
+    as_json: bool,
+    temperature: float,
+    seed: int | None,
+    sampling: str,
+) -> None:
+    """--json: the report as one JSON object; else the table and the verdict."""
     if as_json:
         out.print_json(json.dumps(report))
         return
-    _print_summary(report, res, ar, temperature, seed, draft_sampling)
+    _print_summary(report, res, ar, temperature, seed, sampling)
+
+
+def generate_mlx(
+    *,
+    prompt: str,
+    target: str,
+    draft: Any,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    block_size: Any,
+    seed: int | None,
+    compare_ar: bool,
+    as_json: bool,
+    chat: bool,
+    system: str | None,
+    thinking: bool | None,
+    dtype: str | None,
+    verbose: bool,
+    constraint: Any,
+) -> None:
+    """`flashdraft generate --backend mlx`: the same run and report as on torch, decoded by flashdraft.mlx."""
+    import random
+
+    from ..mlx import generate, generate_ar, load_pipeline
+    from ..pipeline import check_pair
+    from ..targets.target import encode_chat
+
+    check_pair(target, draft)  # the configs checked (and a pack fetched) before any weight
+    t0 = time.perf_counter()
+    pipeline = load_pipeline(target, draft, dtype=mlx_dtype(dtype))
+    load_s = time.perf_counter() - t0
+    tgt = pipeline.target
+    if verbose:
+        console.print(f"loaded {target} and drafter {draft} on MLX in {load_s:.1f} s")
+    ids = encode_chat(tgt.tokenizer, prompt, chat, thinking, system)
+    if constraint is not None:  # an invalid regex or grammar is named before any decoding
+        from ..engine.grammar import compile_constraint
+
+        compile_constraint(tgt, constraint)
+    if seed is None and compare_ar:  # sampling is seed-exact: one seed for both runs makes them comparable
+        seed = random.randrange(2**31)
+    kwargs = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, response_format=constraint)
+    if block_size == "auto" and pipeline.drafter.prices is None:
+        console.print("measuring this MLX device's prices for the verify policy…")
+    # Warm both paths up so first-call overheads do not count against either of them.
+    generate(pipeline, None, ids[-8:], 4, block_size=block_size, stop_token_ids=[])
+    if compare_ar:
+        generate_ar(pipeline, ids[-8:], 4, stop_token_ids=[])
+    if verbose and pipeline.drafter.prices is not None:
+        console.print(pipeline.drafter.prices.summary(), soft_wrap=True)
+    res, ar, text = decode_and_compare(
+        lambda streamer: generate(
+            pipeline, None, ids, max_new_tokens, block_size=block_size, on_tokens=streamer, **kwargs
+        ),
+        (lambda: generate_ar(pipeline, ids, max_new_tokens, **kwargs)) if compare_ar else None,
+        tgt.tokenizer,
+        as_json,
+        max_new_tokens,
+    )
+    report = _report(text, target, draft, pipeline.drafter, res, ar, load_s, block_size, None)
+    show_report({**report, "backend": "mlx"}, res, ar, as_json, temperature, seed, "match")
 
 
 def _report(
