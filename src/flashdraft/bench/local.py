@@ -219,19 +219,7 @@ class LocalMethods:
             )  # fmt: skip
         else:
             res = generate_ar(self.target, input_ids, **common)
-        return RunOutput(
-            new_ids=res.new_tokens,
-            ttft_s=res.prefill_s,
-            decode_s=res.decode_s,
-            first_chunk=1,
-            step_tokens=list(res.acceptance_lengths),
-            # Plain decoding proposes nothing: its all-zero draft logs carry no information.
-            draft_lengths=list(res.draft_lengths) if method in DFLASH_METHODS else [],
-            accepted_drafts=list(res.accepted_drafts) if method in DFLASH_METHODS else [],
-            stop_reason=res.stop_reason,
-            grammar_s=res.grammar_s,
-            step_s=[b - a for a, b in zip(seen, seen[1:], strict=False)],
-        )
+        return RunOutput.of(res, method in DFLASH_METHODS, seen)
 
     def _run_transformers(
         self, input_ids: torch.Tensor, max_new_tokens: int, seed: int, extra: dict[str, Any]

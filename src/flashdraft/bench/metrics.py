@@ -26,6 +26,24 @@ class RunOutput:
     grammar_s: float = 0.0
     step_s: list[float] = field(default_factory=list)  # each decode step's wall time
 
+    @classmethod
+    def of(cls, result: Any, drafting: bool, token_times: list[float]) -> RunOutput:
+        """An engine's GenerationResult (either backend's); `token_times`: when each step's tokens reached the host
+        (the times between are the decode steps'). Plain decoding proposes nothing: its all-zero draft logs carry
+        no information, so they are left out."""
+        return cls(
+            new_ids=result.new_tokens,
+            ttft_s=result.prefill_s,
+            decode_s=result.decode_s,
+            first_chunk=1,
+            step_tokens=list(result.acceptance_lengths),
+            draft_lengths=list(result.draft_lengths) if drafting else [],
+            accepted_drafts=list(result.accepted_drafts) if drafting else [],
+            stop_reason=result.stop_reason,
+            grammar_s=result.grammar_s,
+            step_s=[b - a for a, b in zip(token_times, token_times[1:], strict=False)],
+        )
+
 
 def mean_acceptance_length(acceptance_lengths: Sequence[int]) -> float | None:
     """τ pooled over steps: tokens emitted / target forwards (None without steps)."""

@@ -118,15 +118,4 @@ class MlxMethods:
         else:
             verify = self.block_size if method == "dflash-fixed" else self.verify
             res = generate(self.pipeline, None, ids, max_new_tokens, block_size=verify, **common)
-        drafting = method != "ar"
-        return RunOutput(
-            new_ids=res.new_tokens,
-            ttft_s=res.prefill_s,
-            decode_s=res.decode_s,
-            first_chunk=1,
-            step_tokens=list(res.acceptance_lengths),
-            draft_lengths=list(res.draft_lengths) if drafting else [],
-            accepted_drafts=list(res.accepted_drafts) if drafting else [],
-            stop_reason=res.stop_reason,
-            step_s=[b - a for a, b in zip(seen, seen[1:], strict=False)],
-        )
+        return RunOutput.of(res, method != "ar", seen)
