@@ -488,6 +488,47 @@ def workers_stderr(stderr: str, keep: int = 3000) -> str:
     return stderr[:launcher][-keep:] if launcher > 0 else stderr[-keep:]
 
 
+# ----------------------------------------------------------------------------- precision paths (dtype, scheme, compiled)
+PATH_NEEDS = {"w8a8": "avx512_vnni|avx_vnni|amx_int8", "w8a16": "avx512_vnni avx512_bf16"}  # beside bf16's
+
+
+def path_name(path) -> str:
+    dtype, scheme, compiled = path
+    return f"{dtype}-{scheme or 'dense'}-{'compiled' if compiled else 'eager'}"
+
+
+def path_needs(path) -> str:
+    """The CPU features a precision path's kernels need (what its skip names)."""
+    dtype, scheme, _ = path
+    bf16 = "avx512_bf16|amx_bf16" if dtype == "bfloat16" else ""
+    return " ".join(filter(None, [bf16, PATH_NEEDS.get(scheme)])) or "x86"
+
+
+def path_target(path, seed: int = 0, prepare=None):
+    """A target on a precision path's kernel plan (skipped, naming the features, where this CPU refuses the path):
+    SmolLM2-135M's widths (576 / 1536: past the kernels' register blocks and splits, what the fused layer takes),
+    two layers; `prepare(model)` runs on its weights before they are quantized."""
+    from flashdraft.kernels.plan import KernelPlanError, make_plan
+    from flashdraft.kernels.quantize import QuantizeError, quantize
+
+    dtype, scheme, compiled = path
+    try:
+        plan = make_plan(torch.device("cpu"), getattr(torch, dtype), scheme, compiled)
+    except (QuantizeError, KernelPlanError) as e:  # refused here: this CPU has no such path
+        skip_without_kernel(False, path_needs(path), f"{path_name(path)} ({e})")
+    shape = dict(
+        layers=2, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3
+    )
+    model = tiny_model("llama", seed=seed, max_position_embeddings=256, **shape).to(getattr(torch, dtype))
+    if prepare is not None:
+        prepare(model)
+    if scheme:
+        quantize(model, scheme)
+    from flashdraft import Target
+
+    return Target(model, plan=plan)
+
+
 def replan(target, **changes):
     """`target` on its kernel plan with `changes` (`static_cache=True`: the static cache, eagerly on a CPU;
     `compile_options=...`: its verify compiled so), its modules prepared by it; returns the plan it keeps."""

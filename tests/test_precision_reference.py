@@ -22,16 +22,11 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import VOCAB, skip_without_kernel, tiny_model
+from conftest import VOCAB, path_name, path_target
 from flashdraft import Target
 from flashdraft.engine.decoder import BatchDecoder
 from flashdraft.engine.proposers import NoProposer, PerRowProposers
-from flashdraft.kernels.plan import KernelPlanError, make_plan
-from flashdraft.kernels.quantize import QuantizeError, quantize
 from flashdraft.sampling import SamplingParams
-
-CPU = torch.device("cpu")
-NEEDS = {"w8a8": "avx512_vnni|avx_vnni|amx_int8", "w8a16": "avx512_vnni avx512_bf16"}
 
 # (dtype, quantization, compiled): the largest |logit - reference| allowed over the prompt set (these logits reach
 # about ±8.5), about twice what was measured. fp32 activations lose ~1e-5; bf16 rows (8 bits of mantissa) ~0.4
@@ -55,26 +50,7 @@ PROMPTS, START, BLOCK = 8, 24, 8
 TOP1_FLOOR = 0.9  # bf16 rows: the share of positions whose top-1 is the float64 model's, at least
 
 
-def _name(path) -> str:
-    dtype, scheme, compiled = path
-    return f"{dtype}-{scheme or 'dense'}-{'compiled' if compiled else 'eager'}"
-
-
-def engine_target(path, seed: int = 0) -> Target:
-    """SmolLM2-135M's widths (what the kernels' blocks and the fused layer take), two layers, on the path's plan."""
-    dtype, scheme, compiled = path
-    needs = " ".join(filter(None, ["avx512_bf16|amx_bf16" if dtype == "bfloat16" else "", NEEDS.get(scheme)]))
-    try:
-        plan = make_plan(CPU, getattr(torch, dtype), scheme, compiled)
-    except (QuantizeError, KernelPlanError) as e:  # refused on this CPU: it has no such path
-        skip_without_kernel(False, needs or "x86", f"{_name(path)} ({e})")
-    shape = dict(
-        layers=2, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3
-    )
-    model = tiny_model("llama", seed=seed, max_position_embeddings=256, **shape).to(getattr(torch, dtype))
-    if scheme:
-        quantize(model, scheme)
-    return Target(model, plan=plan)
+_name = path_name
 
 
 def float64_reference(target: Target) -> nn.Module:
@@ -106,7 +82,7 @@ def engine_logits(target: Target, ids: torch.Tensor) -> torch.Tensor:
 def compare(path) -> tuple[float, float, torch.Tensor]:
     """Over the prompt set: (the largest logit difference from the float64 reference, the share of positions where
     the engine's top-1 is the reference's, the engine's logits [PROMPTS, BLOCK, V])."""
-    target = engine_target(path)
+    target = path_target(path)
     reference = float64_reference(target)
     generator = torch.Generator().manual_seed(5)
     worst, agree, tops = 0.0, 0, []
@@ -154,7 +130,7 @@ def test_the_reference_sees_an_assembly_fault(monkeypatch):
         return join(layer, part, linears[::-1] if part == "gu" else linears)
 
     monkeypatch.setattr(fused, "_join", swapped)
-    target = engine_target(path)
+    target = path_target(path)
     if not target.plan.fused_layers:
         pytest.skip("the fused w8a16 decoder layer is off on this plan")
     reference = float64_reference(target)

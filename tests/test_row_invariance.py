@@ -8,10 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import VOCAB, assert_verify_keeps_one_token_bits, skip_without_kernel, tiny_model
+from conftest import (
+    VOCAB,
+    assert_verify_keeps_one_token_bits,
+    path_name,
+    path_needs,
+    path_target,
+    skip_without_kernel,
+)
 from flashdraft import DFlashDraftModel, Target, generate, generate_ar
-from flashdraft.kernels.plan import CpuOffer, KernelPlanError, make_plan
-from flashdraft.kernels.quantize import QuantizeError, quantize
+from flashdraft.kernels.plan import CpuOffer, make_plan
 
 # fake CPUs (tests/test_kernel_plan.py's): an avx2 one (bf16 emulated, no VNNI) and an AMX one
 AVX2 = dict(bf16_math=False, w8a8_exact=False, w8a8_compiles=False, w8a16=False, bf16_rows=None,
@@ -19,10 +25,6 @@ AVX2 = dict(bf16_math=False, w8a8_exact=False, w8a8_compiles=False, w8a16=False,
 AMX = dict(bf16_math=True, w8a8_exact=True, w8a8_compiles=True, w8a16=True, bf16_rows="amx", attention_kernel=True,
            attention_tiles=True, untested_torch=None, onednn_fp32=True, fp16=True)  # fmt: skip
 CPU = torch.device("cpu")
-NEEDS = {
-    "w8a8": "avx512_vnni|avx_vnni|amx_int8",
-    "w8a16": "avx512_vnni avx512_bf16",
-}  # beside bf16 instructions
 
 # (dtype, quantization, compiled): every path the plan says holds rows on a CPU that offers its kernels
 CLAIMED = [
@@ -46,29 +48,15 @@ NOT_CLAIMED = [
 ]
 
 
-def _name(path) -> str:
-    dtype, scheme, compiled = path
-    return f"{dtype}-{scheme or 'dense'}-{'compiled' if compiled else 'eager'}"
+_name = path_name
 
 
 def _target(path, near_ties: bool = False) -> Target:
-    """SmolLM2-135M's widths (576 / 1536: past the kernels' register blocks and splits), two layers."""
-    dtype, scheme, compiled = path
-    needs = " ".join(filter(None, ["avx512_bf16|amx_bf16", NEEDS.get(scheme)]))
-    try:  # refused here (w8a8 without VNNI, w8a16 without avx512_vnni + avx512_bf16): this CPU has no such path
-        plan = make_plan(CPU, getattr(torch, dtype), scheme, compiled)
-    except (QuantizeError, KernelPlanError) as e:
-        skip_without_kernel(False, needs, f"{_name(path)} ({e})")
-    skip_without_kernel(plan.row_invariant, needs, f"{_name(path)}, rows held ({plan.describe()})")
-    shape = dict(
-        layers=2, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3
-    )
-    weights = tiny_model("llama", max_position_embeddings=256, **shape).to(getattr(torch, dtype))
-    if near_ties:
-        _near_ties(weights)
-    if scheme:
-        quantize(weights, scheme)
-    return Target(weights, plan=plan)
+    """A target on the path's plan, skipped where this CPU's plan does not claim rows held for it."""
+    target = path_target(path, prepare=_near_ties if near_ties else None)
+    plan = target.plan
+    skip_without_kernel(plan.row_invariant, path_needs(path), f"{_name(path)}, rows held ({plan.describe()})")
+    return target
 
 
 @pytest.mark.parametrize("path", CLAIMED, ids=_name)

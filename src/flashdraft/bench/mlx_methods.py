@@ -27,33 +27,18 @@ class MlxKernels:
 
 
 class MlxBenchTarget:
-    """The MLX target as the benchmark reads a target: its tokenizer, prompts, context and stops."""
+    """The MLX target as the benchmark reads a target: the MlxTarget's own tokenizer, prompts, context, stops and
+    dtype, and what the report says of its device, kernels and quantization."""
 
     def __init__(self, target: Any) -> None:
         self.mlx = target
-        self.tokenizer = target.tokenizer
         self.device = torch.device("cpu")  # the host the report describes (MLX's own device is in `kernels`)
         self.plan = MlxKernels()
-        self.max_context = target.max_context
-        self.dtype = target.dtype
         bits = (target.config.get("quantization") or {}).get("bits")
         self.quantize = f"mlx {bits}-bit" if bits else None
-        eos = target.config.get("eos_token_id")
-        self.eos_token_ids = sorted(
-            set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-            | (
-                {target.tokenizer.eos_token_id}
-                if getattr(target.tokenizer, "eos_token_id", None) is not None
-                else set()
-            )
-        )
 
-    def encode_prompt(
-        self, messages: Any, chat: bool = True, enable_thinking: Any = None, system: Any = None
-    ):
-        from ..targets.target import encode_chat
-
-        return torch.tensor([encode_chat(self.tokenizer, messages, chat, enable_thinking, system)])
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.mlx, name)
 
 
 class MlxMethods:

@@ -98,46 +98,42 @@ def serve_command(
         print_error(e)
         raise typer.Exit(2) from None
     if mlx:  # one request decodes at a time on MLX; the others wait in the queue
-        from ..mlx import MlxDecoder, load_pipeline
+        from ..mlx import MlxDecoder
+        from ..mlx import load_pipeline as load_mlx_pipeline
 
-        mlx_pipeline = load_pipeline(target, draft, dtype=mlx_dtype(dtype))
+        mlx_pipeline = load_mlx_pipeline(target, draft, dtype=mlx_dtype(dtype))
         decoder = MlxDecoder(mlx_pipeline.target, mlx_pipeline.drafter, verify)
         engine = Engine(
             mlx_pipeline.target, mlx_pipeline.drafter, max_queue=max_queue, decoder=decoder, start=False
         )
-        name = served_model_name or target
-        how = ("DFlash " + str(draft) if draft else "plain decoding") + ", MLX backend"
-        console.print(f"serving {name!r} ({how}) on {bound_address(sock)}/v1", soft_wrap=True)
-        if not run_server(engine, build_app(engine, name, allow_local_images), sock):
-            raise typer.Exit(1)
-        return
-    pipeline = load_noting(
-        target,
-        draft,
-        dtype=torch_dtype,
-        device=dev,
-        quantize=quantize,
-        images=images,
-        compile=compile_verify,
-        draft_vocab=vocab_size,
-        costs=draft is not None and verify == "auto",
-        log=lambda m: console.print(m, soft_wrap=True),
-    )
-    tgt, drafter, costs = pipeline.target, pipeline.drafter, pipeline.costs
-    if drafter is not None and (note := tree_note(tgt, nodes)):
-        console.print(f"[yellow]note:[/] {note}")
-    engine = Engine(
-        tgt,
-        drafter,
-        max_queue=max_queue,
-        block_size=verify,
-        max_batch_size=max_batch_size,
-        costs=costs,
-        tree=nodes if drafter is not None else None,
-        start=False,
-    )
+    else:
+        pipeline = load_noting(
+            target,
+            draft,
+            dtype=torch_dtype,
+            device=dev,
+            quantize=quantize,
+            images=images,
+            compile=compile_verify,
+            draft_vocab=vocab_size,
+            costs=draft is not None and verify == "auto",
+            log=lambda m: console.print(m, soft_wrap=True),
+        )
+        tgt, drafter, costs = pipeline.target, pipeline.drafter, pipeline.costs
+        if drafter is not None and (note := tree_note(tgt, nodes)):
+            console.print(f"[yellow]note:[/] {note}")
+        engine = Engine(
+            tgt,
+            drafter,
+            max_queue=max_queue,
+            block_size=verify,
+            max_batch_size=max_batch_size,
+            costs=costs,
+            tree=nodes if drafter is not None else None,
+            start=False,
+        )
     name = served_model_name or target
-    how = "DFlash " + str(draft) if draft else "plain decoding"
+    how = ("DFlash " + str(draft) if draft else "plain decoding") + (", MLX backend" if mlx else "")
     console.print(f"serving {name!r} ({how}) on {bound_address(sock)}/v1", soft_wrap=True)
     if not run_server(engine, build_app(engine, name, allow_local_images), sock):
         raise typer.Exit(1)  # uvicorn has said why

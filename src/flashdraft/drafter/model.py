@@ -32,7 +32,13 @@ from torch import nn
 from ..files import atomic_write
 from ..kernels import attention_cpp
 from ..kernels.attention import kernel_serves
-from .checkpoint import MASK_EMBEDDING_NAME, DFlashCheckpointError, load_mask_embedding, resolve_draft_path
+from .checkpoint import (
+    MASK_EMBEDDING_NAME,
+    check_weights,
+    load_mask_embedding,
+    read_weights,
+    resolve_draft_path,
+)
 from .config import SLIDING_ATTENTION, WEIGHTS_NAME, DFlashConfig
 from .context_cache import PAD_POSITION, DraftContextCache  # noqa: F401 - PAD_POSITION: this module's name for it
 from .dflash2 import CandidateSelector, GroupedDynamicCausalConv
@@ -533,48 +539,15 @@ class DFlashDraftModel(nn.Module):
         cls, path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device | None = None
     ) -> DFlashDraftModel:
         """Load a drafter directory (z-lab's or ours). `dtype=None` keeps the checkpoint's dtype."""
-        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         path = Path(resolve_draft_path(path))
         config = DFlashConfig.from_pretrained(path)
         mask_embedding = load_mask_embedding(path / MASK_EMBEDDING_NAME, config.hidden_size)
-        weights = path / WEIGHTS_NAME
-        if not weights.exists():
-            shards = sorted(path.glob("model-*.safetensors"))
-            if not shards:
-                raise DFlashCheckpointError(f"no {WEIGHTS_NAME} in {path}")
-        else:
-            shards = [weights]
-        state: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            try:
-                state.update(load_file(str(shard)))
-            except (SafetensorError, OSError, ValueError) as e:
-                raise DFlashCheckpointError(f"cannot read drafter weights {shard}: {e}") from None
-        # Some exporters prefix names with "model."; z-lab's files have none.
-        state = {k.removeprefix("model."): v for k, v in state.items()}
-        state.pop("embed_tokens.weight", None)
-        state.pop("lm_head.weight", None)
-        for name in ("predecessor_codebook", "successor_codebook"):  # DFlash2 codebooks saved as nn.Embedding
-            key = f"candidate_selector.{name}"
-            if f"{key}.weight" in state and key not in state:
-                state[key] = state.pop(f"{key}.weight")
+        state, source = read_weights(path, load_file)
         with torch.device("meta"):
             model = cls(config)
-        expected = model.state_dict()
-        missing = sorted(set(expected) - set(state))
-        unexpected = sorted(set(state) - set(expected))
-        if missing or unexpected:
-            raise DFlashCheckpointError(
-                f"{shards[0]} does not match its config: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-                f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
-            )
-        for name, tensor in state.items():
-            if tensor.shape != expected[name].shape:
-                raise DFlashCheckpointError(
-                    f"tensor {name} has shape {tuple(tensor.shape)} but the config implies {tuple(expected[name].shape)}"
-                )
+        check_weights(state, model.state_dict(), source)
         load_dtype = dtype or _DTYPES.get(config.dtype, next(iter(state.values())).dtype)
         model = model.to_empty(device=device or "cpu")
         model.load_state_dict({k: v.to(load_dtype) for k, v in state.items()}, strict=True)

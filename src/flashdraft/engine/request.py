@@ -144,7 +144,13 @@ def check_request(
     input_ids, inputs = as_prompt(input_ids)
     refuse_images(target, inputs)
     ids = _as_input_ids(input_ids, target.device)
-    prompt_len = ids.shape[1]
+    check_prompt_fits(ids.shape[1], int(ids.min()), int(ids.max()), max_new_tokens, target)
+    return ids
+
+
+def check_prompt_fits(prompt_len: int, lowest: int, highest: int, max_new_tokens: Any, target: Any) -> None:
+    """A prompt of `prompt_len` ids in lowest..highest and its token budget against the target's vocabulary and
+    context (any backend's target: its `vocab_size` and `max_context`)."""
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if prompt_len + max_new_tokens > target.max_context:
@@ -152,9 +158,8 @@ def check_request(
             f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the target's context of "
             f"{target.max_context} tokens"
         )
-    if int(ids.max()) >= target.vocab_size or int(ids.min()) < 0:
+    if highest >= target.vocab_size or lowest < 0:
         raise GenerationError(f"prompt holds token ids outside the vocabulary (0..{target.vocab_size - 1})")
-    return ids
 
 
 def check_block_size(block_size: int | str | None, max_block_size: int | None) -> int | None:
@@ -228,6 +233,7 @@ __all__ = [
     "GenerationResult",
     "as_target",
     "check_block_size",
+    "check_prompt_fits",
     "check_request",
     "sync",
 ]

@@ -32,7 +32,7 @@ from ..engine.grammar import (
     mask_logits,
 )
 from ..engine.lookup import LOOKUP_MAX_NGRAM, LOOKUP_MAX_TOKENS, prompt_lookup
-from ..engine.request import BatchRow, GenerationError, GenerationResult, check_block_size
+from ..engine.request import BatchRow, GenerationError, GenerationResult, check_block_size, check_prompt_fits
 from ..sampling import SamplingParams
 from .drafter import DraftContext, MlxDrafter, load_drafter
 from .policy import VerifyPolicy, measure_prices
@@ -78,15 +78,7 @@ def _prompt_ids(input_ids: Any, target: MlxTarget, max_new_tokens: int) -> list[
         raise GenerationError("the prompt is empty")
     if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in ids):
         raise GenerationError("input_ids must be integer token ids")
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise GenerationError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if min(ids) < 0 or max(ids) >= target.vocab_size:
-        raise GenerationError(f"prompt holds token ids outside the vocabulary (0..{target.vocab_size - 1})")
-    if len(ids) + max_new_tokens > target.max_context:
-        raise GenerationError(
-            f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the target's context of "
-            f"{target.max_context} tokens"
-        )
+    check_prompt_fits(len(ids), min(ids), max(ids), max_new_tokens, target)
     return [int(t) for t in ids]
 
 
@@ -163,7 +155,7 @@ class MlxDecoder:
         if self.drafter is not None:
             state.context.append(self.drafter.context_kv(features, 0))
         state.policy = self.policy
-        last = np.array(logits[-1:])
+        last = logits[-1:] if grammar is None else np.array(logits[-1:])  # a grammar masks host rows
         if grammar is not None and _constrain(last, [], grammar) == 0:
             row.result = GenerationResult(sequences=row.prompt, prompt_length=len(ids))
             row.started = time.perf_counter()
@@ -223,13 +215,17 @@ class MlxDecoder:
             take = len(found) if policy is None else policy.lookup_length(ngram, len(found)) if found else 0
             drafts, ngram = found[:take], ngram if take else 0
         if drafter is not None and n > 0 and not ngram and (policy is None or policy.draft_now()):
-            drafts, confidences = drafter.draft(target, state.context, anchor, anchor_position)
+            drafts, confidences = drafter.draft(
+                target, state.context, anchor, anchor_position, policy is not None
+            )
             drafts = drafts[: n if policy is None else min(n, policy.choose(confidences))]
         snapshot = target.snapshot(state.cache) if drafts else None
         logits, features = target.forward([anchor, *drafts], state.cache)
-        host = np.array(logits)
-        dead = None if row.grammar is None else _constrain(host, drafts, row.grammar)
-        verified = target_tokens(host, row.sampling, row.seed, anchor_position + 1)
+        dead = None
+        if row.grammar is not None:  # its masks are written into host rows
+            logits = np.array(logits)
+            dead = _constrain(logits, drafts, row.grammar)
+        verified = target_tokens(logits, row.sampling, row.seed, anchor_position + 1)
         a = 0
         while a < len(drafts) and drafts[a] == verified[a]:
             a += 1

@@ -22,8 +22,16 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..drafter.checkpoint import DFlashCheckpointError, load_drafter_config, resolve_draft_path
-from ..drafter.config import SLIDING_ATTENTION, WEIGHTS_NAME, DFlashConfig
+from ..drafter.checkpoint import (
+    MASK_EMBEDDING_NAME,
+    DFlashCheckpointError,
+    check_weights,
+    load_drafter_config,
+    load_mask_embedding,
+    read_weights,
+    resolve_draft_path,
+)
+from ..drafter.config import SLIDING_ATTENTION, DFlashConfig
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -269,11 +277,11 @@ class MlxDrafter(nn.Module):
         return mx.tanh(logits / cap) * cap if cap else logits
 
     def draft(
-        self, target: Any, context: DraftContext, anchor: int, anchor_position: int
+        self, target: Any, context: DraftContext, anchor: int, anchor_position: int, confidences: bool = False
     ) -> tuple[list[int], list[float]]:
         """Greedy drafts for the block slots after the anchor (always the whole trained block: its length is part of
-        the input), and the confidence in each (its slot's top probability: what the policy keys its acceptance
-        estimates by). `target`: the MlxTarget whose embedding and LM head the drafter shares."""
+        the input), and with `confidences` the confidence in each (its slot's top probability: what the policy keys
+        its acceptance estimates by; else []). `target`: the MlxTarget whose embedding and LM head it shares."""
         config = self.config
         ids = mx.array([anchor] + [config.mask_token_id] * (self.block_size - 1))
         embeds = target.embed(ids)
@@ -287,8 +295,8 @@ class MlxDrafter(nn.Module):
             embeds = embeds * config.input_embedding_scale
         hidden = self.block_hidden(embeds, anchor_position, context)[1:]
         logits = self.logits(hidden, target.head)
-        confidences = mx.max(mx.softmax(logits, axis=-1), axis=-1)
-        return self.propose(hidden, logits, anchor), confidences.tolist()
+        confidence = mx.max(mx.softmax(logits, axis=-1), axis=-1).tolist() if confidences else []
+        return self.propose(hidden, logits, anchor), confidence
 
     def propose(self, hidden: mx.array, logits: mx.array, anchor: int) -> list[int]:
         """Greedy drafts for the slots after the anchor: each slot's argmax (v1) or the selector's walk (DFlash2)."""
@@ -343,44 +351,16 @@ def load_drafter(path: str | Path, dtype: str | None = None) -> MlxDrafter:
 
     path = Path(resolve_draft_path(path))
     config = load_drafter_config(path)
-    files = (
-        [path / WEIGHTS_NAME] if (path / WEIGHTS_NAME).exists() else sorted(path.glob("model-*.safetensors"))
-    )
-    if not files:
-        raise DFlashCheckpointError(f"no {WEIGHTS_NAME} in {path}")
-    weights: dict[str, mx.array] = {}
-    for f in files:
-        try:
-            weights.update(mx.load(str(f)))
-        except (RuntimeError, ValueError, OSError) as e:
-            raise DFlashCheckpointError(f"cannot read drafter weights {f}: {e}") from None
-    weights = {k.removeprefix("model."): v for k, v in weights.items()}
-    for dropped in ("embed_tokens.weight", "lm_head.weight"):
-        weights.pop(dropped, None)
-    for name in ("predecessor_codebook", "successor_codebook"):  # DFlash2 codebooks saved as nn.Embedding
-        key = f"candidate_selector.{name}"
-        if f"{key}.weight" in weights and key not in weights:
-            weights[key] = weights.pop(f"{key}.weight")
+    weights, source = read_weights(path, mx.load)
     drafter = MlxDrafter(config)
-    expected = dict(tree_flatten(drafter.parameters()))
-    missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
-    if missing or unexpected:
-        raise DFlashCheckpointError(
-            f"{files[0]} does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
-    for name, w in weights.items():
-        if w.shape != expected[name].shape:
-            raise DFlashCheckpointError(
-                f"tensor {name} has shape {tuple(w.shape)} but the config implies {tuple(expected[name].shape)}"
-            )
+    check_weights(weights, dict(tree_flatten(drafter.parameters())), source)
     target_dtype = DTYPES[dtype] if dtype else DTYPES.get(config.dtype, next(iter(weights.values())).dtype)
     drafter.load_weights([(k, v.astype(target_dtype)) for k, v in weights.items()], strict=True)
-    mask_file = path / "mask_embedding.pt"
-    if mask_file.exists():  # a torch file (vLLM's loader reads it): read once at load, as numbers
-        from ..drafter.checkpoint import load_mask_embedding
-
-        row = load_mask_embedding(mask_file, config.hidden_size)
-        drafter.mask_row = mx.array(row.float().numpy()).astype(target_dtype)
+    row = load_mask_embedding(
+        path / MASK_EMBEDDING_NAME, config.hidden_size
+    )  # a torch file, read once at load
+    if row is not None:
+        drafter.mask_row = mx.array(row.numpy()).astype(target_dtype)
     mx.eval(drafter.parameters())
     drafter.eval()
     return drafter

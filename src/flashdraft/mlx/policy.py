@@ -76,7 +76,7 @@ def measure_prices(target: Any, drafter: Any, context: int = 128, repeats: int =
     draft = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        drafter.draft(target, ctx, 1, context)
+        drafter.draft(target, ctx, 1, context, confidences=True)  # the pass the policy pays for
         draft = min(draft, time.perf_counter() - t0)
     return Prices(lengths, verify, draft)
 

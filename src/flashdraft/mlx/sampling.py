@@ -8,6 +8,8 @@ output at temperature > 0 is token for token the output of plain sampling with t
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..sampling import SamplingError, SamplingParams, uniform_values
@@ -38,9 +40,10 @@ def _softmax(z: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def check_finite(logits: np.ndarray, position: int) -> None:
-    """Refuse to draw from NaN / +inf logits (one line naming the output position)."""
-    bad = ~np.isfinite(logits.max(axis=-1))
+def check_finite(maxima: np.ndarray, position: int) -> None:
+    """Refuse to draw from NaN / +inf logits, one line naming the output position. `maxima`: each row's largest logit
+    (NaN and +inf make it so; it is -inf only where every logit is)."""
+    bad = ~np.isfinite(maxima)
     if bad.any():
         row = int(np.flatnonzero(bad)[0])
         raise SamplingError(
@@ -49,12 +52,13 @@ def check_finite(logits: np.ndarray, position: int) -> None:
         )
 
 
-def target_tokens(logits: np.ndarray, params: SamplingParams, seed: int, position: int) -> list[int]:
-    """The target's token at each of n consecutive output positions from position on: [n, V] float32 logits."""
-    check_finite(logits, position)
+def target_tokens(logits: Any, params: SamplingParams, seed: int, position: int) -> list[int]:
+    """The target's token at each of n consecutive output positions from position on: [n, V] float32 logits, an MLX
+    array or a host one. Greedy reads back only each row's maximum and argmax; sampling reads the rows."""
+    check_finite(np.asarray(logits.max(axis=-1)), position)
     if params.greedy:
-        return logits.argmax(axis=-1).tolist()
-    probs = target_probs(logits, params)
+        return np.asarray(logits.argmax(axis=-1)).tolist()
+    probs = target_probs(np.asarray(logits), params)
     cdf = np.cumsum(probs, axis=-1)
     u = np.asarray(uniform_values(seed, position, logits.shape[0]))[:, None] * cdf[:, -1:]
     picks = [int(np.searchsorted(row, x, side="right")) for row, x in zip(cdf, u[:, 0], strict=True)]
