@@ -489,7 +489,7 @@ def workers_stderr(stderr: str, keep: int = 3000) -> str:
 
 
 # ----------------------------------------------------------------------------- precision paths (dtype, scheme, compiled)
-PATH_NEEDS = {"w8a8": "avx512_vnni|avx_vnni|amx_int8", "w8a16": "avx512_vnni avx512_bf16"}  # beside bf16's
+PATH_NEEDS = {"w8a8": "avx512_vnni|avx_vnni|amx_int8", "w8a16": "avx2 fma"}  # beside bf16's
 
 
 def path_name(path) -> str:

@@ -20,15 +20,19 @@ from flashdraft.kernels.quantize import QuantizeError
 
 CPU = torch.device("cpu")
 # A Zen 3 EPYC: avx2 and fma, no VNNI, no bf16 instructions; its C++ kernels build (g++ is there)
-AVX2 = dict(bf16_math=False, w8a8_exact=False, w8a8_compiles=False, w8a16=False, bf16_rows=None)
+AVX2 = dict(bf16_math=False, w8a8_exact=False, w8a8_compiles=False, w8a16=True, w8a16_kernels=("avx2",), bf16_rows=None)
+# An Arm CPU (Graviton, Apple silicon under Linux): none of the x86 kernels
+ARM = dict(bf16_math=False, w8a8_exact=False, w8a8_compiles=False, w8a16=False, bf16_rows=None)
 # A Sapphire Rapids Xeon: AMX
-AMX = dict(bf16_math=True, w8a8_exact=True, w8a8_compiles=True, w8a16=True, bf16_rows="amx")
+AMX = dict(bf16_math=True, w8a8_exact=True, w8a8_compiles=True, w8a16=True, bf16_rows="amx",
+           w8a16_kernels=("avx2", "avx_vnni", "avx512_vnni", "avx512_vnni+amx"))
 SWITCHES = (
     "FLASHDRAFT_COMPILE",
     "FLASHDRAFT_FUSED_LAYERS",
     "FLASHDRAFT_ATTENTION",
     "FLASHDRAFT_ATTENTION_TILES",
     "FLASHDRAFT_PACKED_LINEAR",
+    "FLASHDRAFT_W8A16_KERNEL",
 )
 
 
@@ -47,8 +51,10 @@ def test_an_avx2_cpu_is_refused_the_schemes_it_cannot_run_exactly_and_compiles_i
     avx2 = offer(AVX2)
     with pytest.raises(QuantizeError, match="w8a8 needs VNNI"):
         make_plan(CPU, None, "w8a8", offer=avx2)
-    with pytest.raises(QuantizeError, match="w8a16 needs a CPU with avx512_vnni and avx512_bf16"):
-        make_plan(CPU, None, "w8a16", compile=True, offer=avx2)
+    for compile in (False, True):  # w8a16's integer kernel in fp32 rows, eager and compiled
+        w8a16 = make_plan(CPU, None, "w8a16", compile=compile, offer=avx2)
+        assert w8a16.dtype == torch.float32 and w8a16.attention_kernel and w8a16.row_invariant
+        assert not w8a16.fused_layers and w8a16.compiled == compile  # the fused layer is bf16's
     eager = make_plan(CPU, None, "int8", offer=avx2)
     assert eager.dtype == torch.bfloat16 and not eager.compiled and not eager.static_cache
     compiled = make_plan(CPU, None, "int8", compile=True, offer=avx2)
@@ -59,6 +65,16 @@ def test_an_avx2_cpu_is_refused_the_schemes_it_cannot_run_exactly_and_compiles_i
     fp32 = make_plan(CPU, offer=avx2)
     assert fp32.dtype == torch.float32 and fp32.packed_linears and fp32.attention == SHORT_QUERY
     assert not fp32.attention_kernel and not fp32.attention_tiles  # the C++ kernel serves bf16 only
+
+
+def test_an_arm_cpu_is_refused_the_x86_schemes_in_one_line_and_runs_the_rest():
+    arm = offer(ARM, attention_kernel=False)
+    with pytest.raises(QuantizeError, match="^--quantize w8a16 needs a CPU with avx2 and FMA"):
+        make_plan(CPU, None, "w8a16", offer=arm)
+    with pytest.raises(QuantizeError, match="w8a8 needs VNNI"):
+        make_plan(CPU, None, "w8a8", offer=arm)
+    plan = make_plan(CPU, offer=arm)
+    assert plan.dtype == torch.float32 and not plan.attention_kernel and not plan.row_invariant
 
 
 def test_an_amx_cpu_runs_every_scheme_and_fuses_a_compiled_w8a16_target_s_layers():
@@ -86,7 +102,7 @@ def test_what_compile_cannot_take_decodes_eagerly_with_one_line_saying_why():
     assert "avx512_vnni or AMX" in make_plan(CPU, None, "w8a8", compile=True, offer=no_template).compile_note
 
 
-def test_the_five_switches_are_read_by_the_plan(monkeypatch):
+def test_the_six_switches_are_read_by_the_plan(monkeypatch):
     amx = offer(AMX)
     plan = make_plan(CPU, offer=amx)
     assert plan.packed_linears and plan.attention == SHORT_QUERY
@@ -105,6 +121,15 @@ def test_the_five_switches_are_read_by_the_plan(monkeypatch):
     assert plan_module.switches()["attention_tiles"]
     monkeypatch.setenv("FLASHDRAFT_ATTENTION_TILES", "0")
     assert not plan_module.switches()["attention_tiles"]
+    # the w8a16 kernel: the best this CPU runs, or the one asked where it runs
+    assert make_plan(CPU, None, "w8a16", offer=amx).w8a16_kernel == "avx512_vnni+amx"
+    monkeypatch.setenv("FLASHDRAFT_W8A16_KERNEL", "avx2")
+    plan = make_plan(CPU, None, "w8a16", offer=amx)
+    assert plan.w8a16_kernel == "avx2" and "w8a16 by avx2" in plan.describe()
+    assert make_plan(CPU, None, "int8", offer=amx).w8a16_kernel is None
+    monkeypatch.setenv("FLASHDRAFT_W8A16_KERNEL", "avx512_vnni")
+    with pytest.raises(KernelPlanError, match="^FLASHDRAFT_W8A16_KERNEL=avx512_vnni does not run on this CPU .these do: avx2."):
+        make_plan(CPU, None, "w8a16", offer=offer(AVX2))
 
 
 def test_the_plan_is_a_value():
@@ -120,7 +145,7 @@ def test_the_plan_is_a_value():
 def test_a_scheme_the_cpu_cannot_run_is_refused_before_the_target_is_looked_for(monkeypatch, tmp_path):
     from flashdraft import load_pipeline, load_target
 
-    monkeypatch.setattr(plan_module, "_THIS_CPU", offer(AVX2))
+    monkeypatch.setattr(plan_module, "_THIS_CPU", offer(ARM))
     missing = str(tmp_path / "no-such-model")
     with pytest.raises(QuantizeError, match="w8a16"):
         load_target(missing, quantize="w8a16")

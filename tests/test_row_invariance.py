@@ -20,9 +20,10 @@ from flashdraft import DFlashDraftModel, Target, generate, generate_ar
 from flashdraft.kernels.plan import CpuOffer, make_plan
 
 # fake CPUs (tests/test_kernel_plan.py's): an avx2 one (bf16 emulated, no VNNI) and an AMX one
-AVX2 = dict(bf16_math=False, w8a8_exact=False, w8a8_compiles=False, w8a16=False, bf16_rows=None,
+AVX2 = dict(bf16_math=False, w8a8_exact=False, w8a8_compiles=False, w8a16=True, w8a16_kernels=("avx2",), bf16_rows=None,
             attention_kernel=True, attention_tiles=False, untested_torch=None, onednn_fp32=True, fp16=True)  # fmt: skip
-AMX = dict(bf16_math=True, w8a8_exact=True, w8a8_compiles=True, w8a16=True, bf16_rows="amx", attention_kernel=True,
+AMX = dict(bf16_math=True, w8a8_exact=True, w8a8_compiles=True, w8a16=True, w8a16_kernels=("avx2", "avx512_vnni+amx"),
+           bf16_rows="amx", attention_kernel=True,
            attention_tiles=True, untested_torch=None, onednn_fp32=True, fp16=True)  # fmt: skip
 CPU = torch.device("cpu")
 
@@ -37,6 +38,9 @@ CLAIMED = [
     ("bfloat16", "int8", True),
     ("bfloat16", "w8a8", True),
     ("bfloat16", "w8a16", True),
+    # the avx2 CPUs' w8a16: fp32 rows, the attention kernel in fp32
+    ("float32", "w8a16", False),
+    ("float32", "w8a16", True),
 ]
 # eager fp32 / bf16 / fp16: oneDNN's, MKL's and fbgemm's reductions; fp32 compiled: its attention's ATen GEMMs
 NOT_CLAIMED = [
@@ -68,6 +72,9 @@ def test_the_plan_claims_rows_held_on_a_cpu_with_the_kernels_and_not_on_an_avx2_
     if scheme in (None, "int8"):  # bf16 emulated: no bf16 row kernel, int8's bf16 rows not held
         avx2 = make_plan(CPU, getattr(torch, dtype), scheme, compiled, offer=CpuOffer(**AVX2))
         assert not avx2.row_invariant and "rows within rounding" in avx2.describe(), avx2.describe()
+    if scheme == "w8a16":  # integer products on any avx2 CPU, in bf16 or fp32 rows
+        avx2 = make_plan(CPU, getattr(torch, dtype), scheme, compiled, offer=CpuOffer(**AVX2))
+        assert avx2.row_invariant and avx2.attention_kernel, avx2.describe()
 
 
 @pytest.mark.parametrize("path", NOT_CLAIMED, ids=_name)

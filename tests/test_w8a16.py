@@ -25,9 +25,7 @@ from flashdraft.kernels import w8a16_cpp
 from flashdraft.kernels.plan import check_quantize
 from flashdraft.kernels.quantize import QuantizeError, W8A16Linear, quantization_of, quantize
 
-needs_w8a16 = needs_kernel(
-    w8a16_cpp.prepare, "avx512_vnni avx512_bf16", "the w8a16 kernel (and a C++ compiler)"
-)
+needs_w8a16 = needs_kernel(w8a16_cpp.prepare, "avx2 fma", "the w8a16 kernel (and a C++ compiler)")
 
 
 def reference(layer: W8A16Linear, x: torch.Tensor) -> torch.Tensor:
@@ -202,32 +200,106 @@ def test_what_w8a16_cannot_run_is_refused_in_one_line():
 
 
 @pytest.mark.parametrize(
-    ("vnni", "bf16", "lacks"),
+    ("features", "lacks"),
     [
-        (False, True, "avx512_vnni"),
-        (True, False, "avx512_bf16"),
-        (False, False, "avx512_vnni and avx512_bf16"),
+        ("aarch64 asimd asimddp bf16 i8mm sve", "avx2 and fma"),  # a Graviton 3: NEON's sdot and i8mm, no x86
+        ("x86_64 avx f16c sse4_2", "avx2 and fma"),  # a Sandy Bridge
+        ("x86_64 avx avx2 sse4_2", "fma"),  # avx2 without FMA (a few VIA / Zhaoxin CPUs)
     ],
 )
-def test_a_cpu_without_w8a16_s_features_is_refused_naming_them_before_any_build(
-    monkeypatch, vnni, bf16, lacks
-):
-    """On any machine, the CPU's features faked: an Ice Lake or Cascade Lake Xeon has avx512_vnni but not avx512_bf16
-    (the kernel's `vcvtneps2bf16`): refused in one line naming what it lacks, nothing built, no layer made."""
-    from flashdraft.kernels import cpp_build
+def test_a_cpu_without_w8a16_s_features_is_refused_naming_them_before_any_build(monkeypatch, features, lacks):
+    """On any machine, the CPU's features faked (cpu_info's line, as an Arm CPU's /proc/cpuinfo gives it): refused
+    in one line naming what it lacks, nothing built (no x86 intrinsics reach an Arm compiler), no layer made."""
+    from flashdraft.kernels import cpp_build, cpu_info
 
-    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: vnni)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
+    monkeypatch.setattr(cpu_info, "cpu_features", lambda: features)
     monkeypatch.setattr(w8a16_cpp, "_isa", None)  # not prepared yet in this (faked) process
     builds = []
     monkeypatch.setattr(cpp_build, "load", lambda *args: builds.append(args))
-    want = f"^--quantize w8a16 needs a CPU with avx512_vnni and avx512_bf16 .*which this one lacks {lacks}: "
+    assert " and ".join(w8a16_cpp.missing_features()) == lacks
+    want = f"^--quantize w8a16 needs a CPU with avx2 and FMA .*which this one lacks {lacks}: "
     with pytest.raises(QuantizeError, match=want + "use --quantize int8$"):
         check_quantize("w8a16", None, torch.device("cpu"))
     # quantize() called directly: refused, not layers whose operator has no kernel
     with pytest.raises(QuantizeError, match=want):
         quantize(tiny_model("llama").to(torch.bfloat16), "w8a16")
     assert builds == [] and w8a16_cpp.kernels() is None
+
+
+@needs_w8a16
+def test_every_kernel_the_cpu_has_serves_and_all_give_the_same_bits():
+    """avx2's vpmaddwd on 16-bit codes, AVX-VNNI's and avx512_vnni's vpdpbusd and AMX's tiles on split codes: each
+    kernel this CPU has gives every row the bits of the others and of the layer's arithmetic spelled out in float64
+    (the integer product exact, rounded once), at any row count, in bf16 and fp32 rows; widths that fill no whole
+    tile, inputs past one int32 chunk of avx2's sums (8960: Qwen2.5-1.5B's down projection), a bias, an outlier row.
+    A kernel the CPU's features promise is among them (a wrong gate would leave a CPU on a lesser one)."""
+    import conftest
+
+    wanted = {"avx2": "avx2 fma", "avx_vnni": "avx_vnni", "avx512_vnni": "avx512_vnni avx512_bf16",
+              "avx512_vnni+amx": "amx_int8 avx512_vnni avx512_bf16"}  # fmt: skip
+    have = w8a16_cpp.available_kernels()
+    for name, needs in wanted.items():
+        if name != "avx512_vnni+amx" or torch.cpu._init_amx():  # AMX: also granted by the kernel
+            assert (name in have) == conftest.has_features(needs), (name, have)
+    assert w8a16_cpp.kernels() == have[-1]  # the best serves
+    torch.manual_seed(2)
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            for k, n in ((100, 40), (576, 200), (8960, 48)):
+                layer = W8A16Linear(nn.Linear(k, n).to(dtype), compute_dtype=dtype)
+                x = torch.randn(19, k, dtype=dtype)
+                x[3] *= 50
+                exact = exact_product(layer, x)
+                for name in have:
+                    assert w8a16_cpp.set_kernel(name) == name
+                    together = layer(x)
+                    assert torch.equal(together, exact), f"{name}, {dtype}, {k} x {n}"
+                    for rows in (1, 2, 3, 5, 9):
+                        assert torch.equal(layer(x[:rows]), together[:rows]), f"{name}, {rows} rows"
+    finally:
+        w8a16_cpp.set_kernel(None)
+    with pytest.raises(ValueError, match="does not run here"):
+        w8a16_cpp.set_kernel("neon")
+
+
+def exact_product(layer: W8A16Linear, x: torch.Tensor) -> torch.Tensor:
+    """The kernels' arithmetic to the bit: each row's codes as the kernel rounds them (x * (32639 / absmax), to
+    nearest even), the integer product S exact in float64, rounded once to fp32, times the row's scale and the
+    column's, plus the bias, rounded to the row's dtype."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    top = rows.abs().amax(dim=1, keepdim=True)
+    codes = torch.round(rows * (torch.tensor(float(w8a16_cpp.HALF)) / top)).double()
+    whole = (codes @ layer.weight_int8.double().T).float()
+    out = whole * (top / w8a16_cpp.HALF) * layer.scales
+    if layer.bias is not None:
+        out = out + layer.bias
+    return out.to(x.dtype)
+
+
+@needs_w8a16
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_dflash_on_an_fp32_w8a16_target_is_plain_decoding_with_each_kernel(compiled):
+    """The avx2 CPUs' w8a16 (fp32 rows, the plan's default there, around the attention kernel in fp32), with each
+    kernel this CPU has serving in turn: greedy and sampled DFlash, one row and a batch, emit plain decoding's
+    tokens."""
+    from flashdraft.engine.compiled import compile_verify
+    from flashdraft.kernels.plan import make_plan
+
+    model = tiny_model("qwen3", seed=2)
+    quantize(model, "w8a16")  # an fp32 model: fp32 rows
+    plan = make_plan(torch.device("cpu"), torch.float32, "w8a16", compiled)
+    target = Target(model, plan=plan)
+    assert target.plan.row_invariant and target.plan.attention_kernel, target.plan.describe()
+    if compiled:
+        assert compile_verify(target) is None
+    draft = drafter(model).float()
+    try:
+        for name in w8a16_cpp.available_kernels():
+            w8a16_cpp.set_kernel(name)
+            assert_dflash_is_plain_decoding(target, draft)
+        assert_batched_dflash_is_plain_decoding(target, draft, max_batch_size=3)
+    finally:
+        w8a16_cpp.set_kernel(None)
 
 
 @needs_w8a16

@@ -52,6 +52,9 @@ from . import attention_cpp
 NAME = "short_query"
 SHORT_QUERY = 64  # queries up to this many tokens per row take the short-query path
 KERNEL_DTYPES = (torch.bfloat16,)  # dtypes whose short queries run attention_cpp's kernel (where it builds)
+# a config attribute: this model's short queries run the kernel in its dtype too (`use`: the plan asks it for a w8a16
+# target in fp32, whose rows hold only around the kernel)
+KERNEL_FLAG = "flashdraft_attention_kernel"
 _UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias")
 
 
@@ -79,7 +82,7 @@ def short_query_attention(
     kv_heads, length = key.shape[1], key.shape[2]
     if n > SHORT_QUERY or dropout or any(kwargs.get(k) is not None for k in _UNSUPPORTED) or heads % kv_heads:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    eager_fp32 = query.dtype == torch.float32 and not torch.compiler.is_compiling()
+    eager_fp32 = query.dtype == torch.float32 and not torch.compiler.is_compiling() and not _flagged(module)
     if eager_fp32 and d == value.shape[-1] <= 256 and (attention_mask is not None or n == 1):
         # SDPA's own kernel, every query head reading its KV head in place (one query and no mask: it sees all)
         out = F.scaled_dot_product_attention(
@@ -117,11 +120,18 @@ def short_query_attention(
 def kernel_serves(module: torch.nn.Module, query: torch.Tensor, mask: torch.Tensor | None, n: int) -> bool:
     """Whether attention_cpp's kernel (built for this dtype) takes the call: a mask it reads (bool or added in the
     query's dtype, 4-D), or none with causal queries (or one query)."""
-    if query.device.type != "cpu" or not kernel_ready(query.dtype):
+    if query.device.type != "cpu" or not (kernel_ready(query.dtype) or _flagged(module)):
+        return False
+    if not attention_cpp.ready(query.dtype):
         return False
     if mask is None:
         return n == 1 or getattr(module, "is_causal", True)
     return mask.dim() == 4 and mask.dtype in (torch.bool, query.dtype)
+
+
+def _flagged(module: torch.nn.Module) -> bool:
+    """Whether `use` gave this model's short queries the kernel in any dtype it has one for (`KERNEL_FLAG`)."""
+    return bool(getattr(getattr(module, "config", None), KERNEL_FLAG, False))
 
 
 def kernel_ready(dtype: torch.dtype) -> bool:
@@ -167,14 +177,18 @@ def runs_sdpa(model: torch.nn.Module) -> bool:
 
 
 def use(model: torch.nn.Module, dtype: torch.dtype | None = None) -> None:
-    """Switch `model` (its sub-configs too) to the short-query attention; in a `dtype` of KERNEL_DTYPES, build
-    attention_cpp's kernel for it now (before anything is traced)."""
+    """Switch `model` (its sub-configs too) to the short-query attention; given a `dtype`, build attention_cpp's
+    kernel for it now (before anything is traced), and outside KERNEL_DTYPES mark the model's configs so that its
+    short queries in that dtype take the kernel too (`KERNEL_FLAG`)."""
     register()
+    flag = dtype is not None and dtype not in KERNEL_DTYPES and attention_cpp.prepare(dtype)
     if dtype in KERNEL_DTYPES:
         attention_cpp.prepare(dtype)
     for config in _configs(model.config):
         if getattr(config, "_attn_implementation", None) == "sdpa":
             config._attn_implementation = NAME
+        if flag:
+            setattr(config, KERNEL_FLAG, True)
 
 
 def _configs(config: Any) -> list[Any]:

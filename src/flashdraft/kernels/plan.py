@@ -1,7 +1,7 @@
 """The kernel plan: how a target's arithmetic runs on its device, chosen here and only here.
 
 `make_plan` decides once, from the device, the dtype, the quantization scheme, whether `--compile` was asked for,
-what this CPU and torch offer (`CpuOffer`: its features, the kernels that build, the torch version) and the five
+what this CPU and torch offer (`CpuOffer`: its features, the kernels that build, the torch version) and the six
 environment switches (read in this module alone), and returns a `KernelPlan`: a frozen value. The target is prepared
 by it once (`prepare_model`: oneDNN's packed linears, the short-query attention, the fused w8a16 layers) and keeps
 it (`Target.plan`); the engine reads the value (`plan.static_cache`, `plan.compile_options`, `plan.trees_exact`),
@@ -12,12 +12,14 @@ read (`check_quantize`); what `--compile` cannot take decodes eagerly, the plan'
     packed linears    fp32 on a CPU, oneDNN present, not compiled, not training        ATen's (MKL) linears
     short-query attn  a CPU, in bf16 or fp32 or compiled, unless FLASHDRAFT_ATTENTION   transformers' SDPA function
                       is "sdpa"
-    its C++ kernel    bf16, where it builds (AMX's tiles for scores unless             two oneDNN products
-                      FLASHDRAFT_ATTENTION_TILES=0)
+    its C++ kernel    bf16 (or a w8a16 target in fp32), where it builds (AMX's tiles   two oneDNN products (fp32:
+                      for bf16 scores unless FLASHDRAFT_ATTENTION_TILES=0)             SDPA's kernel)
     compiled verify   --compile, unless fp16 weights, or bf16 / int8 on a torch the    eager, through the growing or
                       GEMM kernels are not tested with, or w8a8 without its template   static cache
     static cache      compiled, or on a GPU (where the target's family allows it)      the growing cache
-    fused layers      compiled w8a16 on a CPU, unless FLASHDRAFT_FUSED_LAYERS=0         inductor's graph of each layer
+    w8a16 kernel      --quantize w8a16: the best this CPU has (w8a16_cpp.KERNELS: avx2,  refused (no avx2 and FMA)
+                      AVX-VNNI, avx512_vnni, AMX), all giving the same bits
+    fused layers      compiled bf16 w8a16 on a CPU, unless FLASHDRAFT_FUSED_LAYERS=0    inductor's graph of each layer
     bf16 row kernel   compiled on a CPU: AMX, else the pair kernel (avx512_bf16)       inductor's own (trees refused)
 """
 
@@ -47,11 +49,11 @@ def _on(name: str) -> bool:
 
 
 def switches() -> dict[str, Any]:
-    """The five switches that choose kernels, as this process sees them now: `$FLASHDRAFT_COMPILE` (torch.compile's
+    """The six switches that choose kernels, as this process sees them now: `$FLASHDRAFT_COMPILE` (torch.compile's
     keywords as a JSON object, replacing `compile_options`' own), `_FUSED_LAYERS` (a compiled w8a16 target's layers
     as one operator each; on unless 0), `_ATTENTION` ("sdpa": transformers' SDPA for every query), `_ATTENTION_TILES`
     (bf16 scores on AMX's tiles; on unless 0), `_PACKED_LINEAR` (an fp32 target's linears through oneDNN; on unless
-    0). They turn a kernel off for an A/B or a bug report; none changes what a model computes beyond its last bits,
+    0), `_W8A16_KERNEL` (the w8a16 kernel to serve, one of w8a16_cpp.KERNELS this CPU runs; else its best). They turn a kernel off for an A/B or a bug report; none changes what a model computes beyond its last bits,
     and the compiled graphs are keyed on them (engine/compiled.py's `kernels_tag`)."""
     return {
         "compile": os.environ.get("FLASHDRAFT_COMPILE") or None,
@@ -59,6 +61,7 @@ def switches() -> dict[str, Any]:
         "short_query_attention": os.environ.get("FLASHDRAFT_ATTENTION", "").strip().lower() != "sdpa",
         "attention_tiles": _on("FLASHDRAFT_ATTENTION_TILES"),
         "packed_linears": _on("FLASHDRAFT_PACKED_LINEAR"),
+        "w8a16_kernel": os.environ.get("FLASHDRAFT_W8A16_KERNEL", "").strip().lower() or None,
     }
 
 
@@ -96,6 +99,7 @@ PROBES: dict[str, Callable[[], Any]] = {
     "w8a8_exact": _probe("quantize", "w8a8_exact"),  # oneDNN's int8 product exact (VNNI)
     "w8a8_compiles": _probe("quantize", "w8a8_compiles"),  # inductor's int8 x int8 micro-kernels
     "w8a16": _probe("quantize", "w8a16_available"),  # w8a16_cpp's kernel built and serving
+    "w8a16_kernels": _probe("w8a16_cpp", "available_kernels"),  # the w8a16 kernels this CPU runs, least first
     "attention_kernel": _attention_kernel,  # attention_cpp's kernel built (bf16)
     "attention_tiles": _attention_tiles,  # and scoring bf16 on AMX's tiles
     "untested_torch": _probe(
@@ -146,6 +150,7 @@ class KernelPlan:
     attention_kernel: bool = False  # short bf16 queries through attention_cpp's kernel
     attention_tiles: bool = False  # its bf16 scores on AMX's tiles
     fused_layers: bool = False  # a compiled w8a16 target's decoder layers as decoder_layer_cpp's operator
+    w8a16_kernel: str | None = None  # the w8a16 products' kernel (w8a16_cpp.KERNELS; all give the same bits)
     bf16_rows: str | None = (
         None  # compiled on a CPU: the kernel holding bf16 rows to one order ("amx", "pairs")
     )
@@ -186,10 +191,12 @@ class KernelPlan:
         promised."""
         if self.device.type != "cpu":
             return False
+        if self.quantize == "w8a16":  # every product in integers, eager or compiled, in bf16 or fp32 rows
+            return self.attention_kernel
         if self.compiled:
             rows = self.dtype == torch.bfloat16 and self.bf16_rows is not None and self.attention_kernel
             return rows and takes_gemm_template(self.compile_options)
-        if self.quantize in ("w8a8", "w8a16"):
+        if self.quantize == "w8a8":
             return self.attention_kernel
         return self.quantize == "int8" and self.attention_kernel and bool(self.offer("bf16_math"))
 
@@ -228,6 +235,8 @@ class KernelPlan:
         if self.attention == SHORT_QUERY:
             kernel = " (C++ kernel, AMX tiles)" if self.attention_tiles else " (C++ kernel)"
             parts.append("short-query attention" + (kernel if self.attention_kernel else ""))
+        if self.w8a16_kernel:
+            parts.append(f"w8a16 by {self.w8a16_kernel}")
         if self.fused_layers:
             parts.append("fused w8a16 layers")
         if self.bf16_rows:
@@ -242,10 +251,12 @@ def default_dtype(
     """The dtype left unsaid: bf16 on a GPU, fp32 on a CPU (bf16 is slower than fp32 for small-batch products on
     CPUs without AMX). A quantized model's activations: fp32 for fp16 weights; for int8 ones bf16, but fp32 when
     compiled on a CPU without bf16 instructions (avx512_bf16 or AMX), where bf16 is emulated and inductor's GEMM
-    template multiplies fp32 rows by the int8 weights (benchmarks/README.md, 2026-11-28)."""
+    template multiplies fp32 rows by the int8 weights (benchmarks/README.md, 2026-11-28); and for w8a16 on such a
+    CPU, eager too (its kernel reads fp32 rows as well as bf16 ones, and every other operation would be emulated)."""
     if quantize is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if quantize == "fp16" or compile and not (offer or _THIS_CPU)("bf16_math"):
+    bf16_math = (offer or _THIS_CPU)("bf16_math")
+    if quantize == "fp16" or not bf16_math and (compile or quantize == "w8a16"):
         return torch.float32
     return torch.bfloat16
 
@@ -275,7 +286,10 @@ def make_plan(
     compiled = options is not None
     short = cpu and env["short_query_attention"] and (dtype in (torch.bfloat16, torch.float32) or compiled)
     attention = SHORT_QUERY if short else "sdpa"
-    kernel = attention == SHORT_QUERY and dtype == torch.bfloat16 and bool(offer("attention_kernel"))
+    # bf16's short queries, and a w8a16 target's in fp32 too (the CPUs without bf16 instructions run it in fp32,
+    # and its rows hold only around this kernel: `row_invariant`)
+    kernel_dtype = dtype == torch.bfloat16 or dtype == torch.float32 and quantize == "w8a16"
+    kernel = attention == SHORT_QUERY and kernel_dtype and bool(offer("attention_kernel"))
     return KernelPlan(
         device=device,
         dtype=dtype,
@@ -289,13 +303,26 @@ def make_plan(
         attention=attention,
         attention_kernel=kernel,
         attention_tiles=kernel and bool(offer("attention_tiles")),
-        fused_layers=compiled and cpu and quantize == "w8a16" and env["fused_layers"],
+        fused_layers=compiled and cpu and quantize == "w8a16" and dtype == torch.bfloat16 and env["fused_layers"],
+        w8a16_kernel=_w8a16_kernel(env["w8a16_kernel"], offer) if quantize == "w8a16" else None,
         bf16_rows=offer("bf16_rows") if compiled and cpu and dtype == torch.bfloat16 else None,
         compile_note=f"--compile: {why}; decoding eagerly" if why else None,
         compile_asked=compile,
         pack_asked=pack_linears,
         offer=offer,
     )  # fmt: skip
+
+
+def _w8a16_kernel(asked: str | None, offer: CpuOffer) -> str:
+    """The w8a16 kernel a plan serves: `asked` ($FLASHDRAFT_W8A16_KERNEL) where this CPU runs it, else its best."""
+    have = tuple(offer("w8a16_kernels"))
+    if asked is None:
+        return have[-1]
+    if asked not in have:
+        raise KernelPlanError(
+            f"FLASHDRAFT_W8A16_KERNEL={asked} does not run on this CPU (these do: {', '.join(have)})"
+        )
+    return asked
 
 
 def check_quantize(
@@ -468,6 +495,10 @@ def prepare_model(model: torch.nn.Module, plan: KernelPlan) -> bool:
         replaced = packed_linear.unpack_linears(model)
     if plan.attention == SHORT_QUERY and attention.runs_sdpa(model):
         attention.use(model, plan.dtype if plan.attention_kernel else None)
+    if plan.w8a16_kernel:
+        from . import w8a16_cpp
+
+        w8a16_cpp.set_kernel(plan.w8a16_kernel)  # one per process: all give the same bits
     if plan.fused_layers:
         from . import decoder_layer_cpp
 

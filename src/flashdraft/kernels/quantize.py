@@ -26,7 +26,8 @@ so a one-token step is bound by their bytes (SmolLM2-135M's decoder linears at o
 int8's compiled GEMMs on a 2-core Emerald Rapids Xeon), and sixteen bits per row keep the model as close to fp32 as
 int8 weight-only does (benchmarks/README.md, 2026-12-05). Integer sums are exact, so a verify is batch-invariant by
 construction, eager or compiled (the op is opaque to inductor, called from its graphs). A prompt's rows take int8's
-bf16 GEMM (`prefill`), as int8's do. CPUs without avx512_vnni get no kernel: refused in one line.
+bf16 GEMM (`prefill`), as int8's do. Its kernels run on avx2 and FMA (256-bit integer products) and up to AMX, all
+giving the same bits; CPUs without avx2 and FMA (Arm) get none: refused in one line.
 
 fp16: every `nn.Linear` becomes an `Fp16Linear`: its weights rounded to fp16 once and packed for fbgemm's fp16 GEMM
 (`quantized.linear_dynamic_fp16`, x86), which reads them at half the bytes of fp32 and multiplies in fp32; the
@@ -306,14 +307,11 @@ def w8a16_refusal() -> str:
     """The one line that refuses `--quantize w8a16` where its kernel does not serve, naming what the CPU lacks."""
     lacks = " and ".join(w8a16_cpp.missing_features())
     why = f"this one lacks {lacks}" if lacks else "did not build here (the warning above says why)"
-    return (
-        f"--quantize w8a16 needs a CPU with avx512_vnni and avx512_bf16 (its integer kernel), which {why}: "
-        "use --quantize int8"
-    )
+    return f"--quantize w8a16 needs a CPU with avx2 and FMA (its integer kernel), which {why}: use --quantize int8"
 
 
 def w8a16_available() -> bool:
-    """w8a16_cpp.py's kernel serves on this CPU (avx512_vnni and avx512_bf16; built on first call)."""
+    """w8a16_cpp.py's kernel serves on this CPU (avx2 and FMA at least; built on first call)."""
     return w8a16_cpp.prepare()
 
 

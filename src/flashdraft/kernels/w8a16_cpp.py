@@ -13,13 +13,21 @@ benchmarks/README.md), and no weight is widened: the weights are read as they ar
 their bytes. On a 2-core Emerald Rapids Xeon SmolLM2-135M's 120 decoder linears took 3.1 ms at one row against
 6.0 ms for the int8 x bf16 GEMMs inductor compiles (`--quantize int8`; benchmarks/README.md, 2026-12-05).
 
-Two kernels, one layout (`pack`: the weight in tiles of 16 columns x 64 inputs, an input quad's 16 x 4 bytes a
-64-byte line). Few rows: avx512_vnni's `vpdpbusd` (unsigned codes, code + 128, times signed weights; 128 times the
-column's sum taken back after), the weights streamed through vector registers. More rows, on CPUs with AMX:
-`tdpbssd` on tiles of 16 code rows. Integer sums are exact, so both give every row the same bits at any row count.
-The library builds with inductor's compiler and flags (cpp_build.py, cached on disk) on first use; a CPU without
-avx512_vnni and avx512_bf16 gets no kernel (`prepare`), and `--quantize w8a16` is refused there in one line
-(quantize.py).
+Four kernels, one layout (`pack`: the weight in tiles of 16 columns x 64 inputs, an input quad's 16 x 4 bytes a
+64-byte line), each giving the same int32 sums and the same fp32 finish, so the same bits:
+
+    kernel            the CPU has            a quad of 4 inputs x 16 columns, per code row
+    avx2              avx2 and FMA           2 x (vpsignb, vpmaddubsw, vpmaddwd by ones, vpaddd) on 32-byte halves
+    avx_vnni          AVX-VNNI (Alder Lake)  2 x vpdpbusd (256-bit) on unsigned codes, 128 x the column sum taken back
+    avx512_vnni       avx512_vnni and _bf16  1 x vpdpbusd (512-bit), as avx_vnni
+    avx512_vnni+amx   and AMX's tiles        past a few rows: tdpbssd on tiles of 16 code rows
+
+avx2's vpmaddubsw multiplies unsigned by signed bytes and sums pairs to 16 bits with saturation: it is given |code|
+(at most 128) and the weight with the code's sign (at most 127: a weight is never -128), so a pair sums to at most
+32,512 and never saturates. The best kernel this CPU has serves (`prepare`; `set_kernel` picks a lesser one for tests
+and benchmarks). The library builds with inductor's compiler and flags (cpp_build.py, cached on disk) on first use; a
+CPU without avx2 and FMA (an Arm CPU: NEON's `sdot` and `i8mm`'s `smmla` would be its instructions, none written)
+gets no kernel, and `--quantize w8a16` is refused there in one line (quantize.py).
 """
 
 from __future__ import annotations
@@ -39,14 +47,17 @@ _library = torch.library.Library("flashdraft", "FRAGMENT")
 _library.define(
     "w8a16_linear(Tensor x, Tensor packed, Tensor scales, Tensor colsums, Tensor? bias) -> Tensor"
 )
-_isa: int | None = None  # None: not built yet; then 0 (no kernel), 1 (avx512_vnni), 2 (and AMX)
+# the kernels, from the least the CPU must have (the library's `Kernel`: the index + 1; 0 is none)
+KERNELS = ("avx2", "avx_vnni", "avx512_vnni", "avx512_vnni+amx")
+_isa: int | None = None  # None: not built yet; then 0 (no kernel) or the serving kernel's KERNELS index + 1
+_best = 0  # the best kernel this CPU may run
 _loaded: Any = None  # the loaded library (kept, so it stays loaded)
 
 
 def prepare() -> bool:
     """Build (or load from inductor's cache) the library, whose loading registers the operator's CPU kernel;
-    whether a kernel serves on this CPU. Outside any graph being traced."""
-    global _isa, _loaded
+    whether a kernel serves on this CPU (the best it has). Outside any graph being traced."""
+    global _isa, _loaded, _best
     if _isa is None:
         _isa = 0
         if missing_features():  # nothing to build: without them the build fails (or the library cannot run)
@@ -58,20 +69,39 @@ def prepare() -> bool:
             "the w8a16 kernel",
         )
         if _loaded is not None:
-            _isa = int(_loaded.flashdraft_w8a16_isa(int(torch.cpu._init_amx())))
+            _isa = _best = int(_loaded.flashdraft_w8a16_isa(int(torch.cpu._init_amx()), len(KERNELS)))
     return _isa > 0
 
 
-def missing_features() -> list[str]:
-    """The CPU features the kernel needs that this CPU lacks: avx512_vnni (`vpdpbusd`) and avx512_bf16 (a bf16
-    row's output, `vcvtneps2bf16`): Ice Lake and Cascade Lake Xeons have the first only."""
-    needs = {"avx512_vnni": torch.cpu._is_vnni_supported, "avx512_bf16": torch.cpu._is_avx512_bf16_supported}
-    return [name for name, has in needs.items() if not has()]
+def missing_features(features: str | None = None) -> list[str]:
+    """The CPU features the kernel needs that this CPU (or `features`, cpu_info.cpu_features' line) lacks: avx2
+    and FMA, the least of its kernels (an Arm CPU lacks both)."""
+    from .cpu_info import cpu_features
+
+    have = set((features if features is not None else cpu_features()).split())
+    return [name for name in ("avx2", "fma") if name not in have]
 
 
 def kernels() -> str | None:
-    """Which kernels serve here: "avx512_vnni", "avx512_vnni+amx", or None (`prepare` first)."""
-    return {1: "avx512_vnni", 2: "avx512_vnni+amx"}.get(_isa or 0)
+    """Which kernel serves here: one of KERNELS, or None (`prepare` first)."""
+    return KERNELS[_isa - 1] if _isa else None
+
+
+def available_kernels() -> tuple[str, ...]:
+    """The kernels this CPU can run, least first (`prepare` first): what `set_kernel` may pick."""
+    return KERNELS[:_best]
+
+
+def set_kernel(name: str | None) -> str | None:
+    """For tests and benchmarks: serve with kernel `name` (one of `available_kernels`; None: the best) from now on;
+    the kernel serving. All give the same bits, so a model may change kernels between steps."""
+    global _isa
+    if name is not None and name not in available_kernels():
+        raise ValueError(f"the w8a16 kernel {name!r} does not run here (these do: {available_kernels()})")
+    if _loaded is not None:
+        most = len(KERNELS) if name is None else KERNELS.index(name) + 1
+        _isa = int(_loaded.flashdraft_w8a16_isa(int(torch.cpu._init_amx()), most))
+    return kernels()
 
 
 def set_vnni_rows(code_rows: int) -> None:
