@@ -20,12 +20,25 @@ from flashdraft.kernels.quantize import QuantizeError
 
 CPU = torch.device("cpu")
 # A Zen 3 EPYC: avx2 and fma, no VNNI, no bf16 instructions; its C++ kernels build (g++ is there)
-AVX2 = dict(bf16_math=False, w8a8_exact=False, w8a8_compiles=False, w8a16=True, w8a16_kernels=("avx2",), bf16_rows=None)
+AVX2 = dict(
+    bf16_math=False,
+    w8a8_exact=False,
+    w8a8_compiles=False,
+    w8a16=True,
+    w8a16_kernels=("avx2",),
+    bf16_rows=None,
+)
 # An Arm CPU (Graviton, Apple silicon under Linux): none of the x86 kernels
 ARM = dict(bf16_math=False, w8a8_exact=False, w8a8_compiles=False, w8a16=False, bf16_rows=None)
 # A Sapphire Rapids Xeon: AMX
-AMX = dict(bf16_math=True, w8a8_exact=True, w8a8_compiles=True, w8a16=True, bf16_rows="amx",
-           w8a16_kernels=("avx2", "avx_vnni", "avx512_vnni", "avx512_vnni+amx"))
+AMX = dict(
+    bf16_math=True,
+    w8a8_exact=True,
+    w8a8_compiles=True,
+    w8a16=True,
+    bf16_rows="amx",
+    w8a16_kernels=("avx2", "avx_vnni", "avx512_vnni", "avx512_vnni+amx"),
+)
 SWITCHES = (
     "FLASHDRAFT_COMPILE",
     "FLASHDRAFT_FUSED_LAYERS",
@@ -128,7 +141,10 @@ def test_the_six_switches_are_read_by_the_plan(monkeypatch):
     assert plan.w8a16_kernel == "avx2" and "w8a16 by avx2" in plan.describe()
     assert make_plan(CPU, None, "int8", offer=amx).w8a16_kernel is None
     monkeypatch.setenv("FLASHDRAFT_W8A16_KERNEL", "avx512_vnni")
-    with pytest.raises(KernelPlanError, match="^FLASHDRAFT_W8A16_KERNEL=avx512_vnni does not run on this CPU .these do: avx2."):
+    with pytest.raises(
+        KernelPlanError,
+        match="^FLASHDRAFT_W8A16_KERNEL=avx512_vnni does not run on this CPU .these do: avx2.",
+    ):
         make_plan(CPU, None, "w8a16", offer=offer(AVX2))
 
 
