@@ -69,6 +69,11 @@ def _fake(hidden: torch.Tensor, *args: Any) -> torch.Tensor:
 torch.library.register_fake("flashdraft::decoder_layer", _fake, lib=_library)
 
 
+def source() -> str:
+    """The library's C++ source (csrc/decoder_layer.cpp with its constants)."""
+    return cpp_build.source_file("decoder_layer.cpp").replace("@PARALLEL_ROWS@", str(PARALLEL_ROWS))
+
+
 def prepare() -> bool:
     """Build (or load from inductor's cache) the library, once the two kernels it calls are built; whether the
     operator serves. Outside any graph being traced."""
@@ -77,10 +82,7 @@ def prepare() -> bool:
         _built = False
         if not (w8a16_cpp.prepare() and attention_cpp.prepare(torch.bfloat16)):
             return False
-        _loaded = cpp_build.load(
-            cpp_build.source_file("decoder_layer.cpp").replace("@PARALLEL_ROWS@", str(PARALLEL_ROWS)),
-            "the fused decoder layer",
-        )
+        _loaded = cpp_build.load(source(), "the fused decoder layer")
         _built = _loaded is not None
     return bool(_built)
 

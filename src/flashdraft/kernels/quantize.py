@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import packed_linear, w8a16_cpp
+from . import cpu_info, packed_linear, w8a16_cpp
 
 QUANTIZE_SCHEMES = ("int8", "w8a8", "w8a16", "fp16")
 # A prompt's prefill takes an int8 layer through a bf16 GEMM from this many rows (`prefill`): on a 2-core Zen 4 EPYC
@@ -307,6 +307,8 @@ def w8a16_refusal() -> str:
     """The one line that refuses `--quantize w8a16` where its kernel does not serve, naming what the CPU lacks."""
     lacks = " and ".join(w8a16_cpp.missing_features())
     why = f"this one lacks {lacks}" if lacks else "did not build here (the warning above says why)"
+    if lacks and cpu_info.cpu_features().startswith("aarch64"):  # what an Arm kernel would use, not written
+        why += " (an Arm kernel would multiply with NEON's sdot or i8mm's smmla: none is written)"
     return f"--quantize w8a16 needs a CPU with avx2 and FMA (its integer kernel), which {why}: use --quantize int8"
 
 

@@ -62,15 +62,16 @@ def prepare() -> bool:
         _isa = 0
         if missing_features():  # nothing to build: without them the build fails (or the library cannot run)
             return False
-        _loaded = cpp_build.load(
-            cpp_build.source_file("w8a16_linear.cpp")
-            .replace("@HALF@", str(HALF))
-            .replace("@PREFETCH@", str(PREFETCH)),
-            "the w8a16 kernel",
-        )
+        _loaded = cpp_build.load(source(), "the w8a16 kernel")
         if _loaded is not None:
             _isa = _best = int(_loaded.flashdraft_w8a16_isa(int(torch.cpu._init_amx()), len(KERNELS)))
     return _isa > 0
+
+
+def source() -> str:
+    """The library's C++ source (csrc/w8a16_linear.cpp with its constants)."""
+    text = cpp_build.source_file("w8a16_linear.cpp")
+    return text.replace("@HALF@", str(HALF)).replace("@PREFETCH@", str(PREFETCH))
 
 
 def missing_features(features: str | None = None) -> list[str]:
