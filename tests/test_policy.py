@@ -312,7 +312,7 @@ def test_the_price_list_s_measurement_is_bounded_in_time_and_says_how_far_it_is(
         "  prices: budget spent: 2 of 3 contexts left unmeasured",
         "  prices: draft passes of 1 and 4 rows",
     ]
-    assert all(line.endswith("of at most ~0)") for line in said)
+    assert all(line.endswith("of at most ~0 timing)") for line in said)
     monkeypatch.setenv("FLASHDRAFT_COST_CACHE", str(tmp_path))
     monkeypatch.setattr(measure, "_MEMORY", {})
     real = measure.measure_costs

@@ -375,6 +375,41 @@ def test_compiling_leaves_the_target_s_options_whole():
     assert json.dumps(cost_key(target, draft)) == key
 
 
+def test_a_compiled_target_s_first_calls_are_compiling_said_and_outside_the_price_budget(models, monkeypatch):
+    """A first start compiles a graph per verify length (minutes on 2 cores): those first calls are said, one line
+    each, and kept out of the budget, so the price list is complete and cached however long they take, and a second
+    start reads it instead of compiling and measuring again (where each start did, 2.5 minutes a start: 2026-12-07)."""
+    import time
+
+    model = models["llama"]
+    draft = DFlashDraftModel.for_target(
+        model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1
+    ).eval()
+    target = Target(model)
+    replan(target, static_cache=True)
+    replan(target, compile_options=EAGER_GRAPH)
+    seen = set()
+    forward_block = BatchDecoder.forward_block
+
+    def compiling_first(self, tokens, positions, *args, **kwargs):
+        if tokens.shape[1] not in seen:  # a length's first call: "compiling" takes 0.3 s
+            seen.add(tokens.shape[1])
+            time.sleep(0.3)
+        return forward_block(self, tokens, positions, *args, **kwargs)
+
+    monkeypatch.setattr(BatchDecoder, "forward_block", compiling_first)
+    said = []
+    costs = measure_costs(
+        target, draft, repeats=1, contexts=(16, 48), batch_tokens=(), budget_s=0.5, log=said.append
+    )
+    assert costs.complete, said  # 4 lengths x 0.3 s of compiling, a budget of 0.5 s
+    lines = [line.split(" (")[0].removeprefix("  prices: ") for line in said]
+    assert lines[:5] == [
+        f"compiling the verify of {n} tokens ({i + 1} of 4)" for i, n in enumerate((1, 2, 4, 8))
+    ] + ["compiling the draft pass"]
+    assert "verify of 1-8 tokens and a draft pass after 48 tokens of context" in lines
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_static_verify_prices_the_bucket_lengths_and_the_engine_s_draft_pass(models, compiled, monkeypatch):
     """Beside a static cache the verify is priced at the bucket lengths, and the draft pass through the engine's own
@@ -408,8 +443,9 @@ def test_static_verify_prices_the_bucket_lengths_and_the_engine_s_draft_pass(mod
     assert costs.lengths == [1, 2, 4, 8]
     assert all(t > 0 for t in costs.verify_base)
     assert costs.draft_base + costs.draft_slope * 16 > 0
-    # the engine's passes: a warm-up and one timed per context, and the row-count slope's; no eager proposer
-    assert timed == {"eager proposer": 0, "engine's proposer": 2 * 2 + 2 * 2}, timed
+    # the engine's passes: a warm-up and one timed per context, and the row-count slope's; compiled, one more first
+    # (its graph compiles outside the budget); no eager proposer
+    assert timed == {"eager proposer": 0, "engine's proposer": 2 * 2 + 2 * 2 + compiled}, timed
     assert bool(draft.__dict__.get("_flashdraft_block_passes")) == compiled
 
 
