@@ -403,7 +403,7 @@ def test_a_compiled_target_s_first_calls_are_compiling_said_and_outside_the_pric
         target, draft, repeats=1, contexts=(16, 48), batch_tokens=(), budget_s=0.5, log=said.append
     )
     assert costs.complete, said  # 4 lengths x 0.3 s of compiling, a budget of 0.5 s
-    lines = [line.split(" (")[0].removeprefix("  prices: ") for line in said]
+    lines = [line.rsplit(" (", 1)[0].removeprefix("  prices: ") for line in said]
     assert lines[:5] == [
         f"compiling the verify of {n} tokens ({i + 1} of 4)" for i, n in enumerate((1, 2, 4, 8))
     ] + ["compiling the draft pass"]
