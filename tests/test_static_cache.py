@@ -375,19 +375,26 @@ def test_compiling_leaves_the_target_s_options_whole():
     assert json.dumps(cost_key(target, draft)) == key
 
 
-def test_a_compiled_target_s_first_calls_are_compiling_said_and_outside_the_price_budget(models, monkeypatch):
-    """A first start compiles a graph per verify length (minutes on 2 cores): those first calls are said, one line
-    each, and kept out of the budget, so the price list is complete and cached however long they take, and a second
-    start reads it instead of compiling and measuring again (where each start did, 2.5 minutes a start: 2026-12-07)."""
-    import time
-
+def _priced_pair(models, compiled: bool):
+    """The llama target on the static cache (its verify compiled by dynamo alone, if `compiled`) and a drafter."""
     model = models["llama"]
     draft = DFlashDraftModel.for_target(
         model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1
     ).eval()
     target = Target(model)
     replan(target, static_cache=True)
-    replan(target, compile_options=EAGER_GRAPH)
+    if compiled:
+        replan(target, compile_options=EAGER_GRAPH)
+    return target, draft
+
+
+def test_a_compiled_target_s_first_calls_are_compiling_said_and_outside_the_price_budget(models, monkeypatch):
+    """A first start compiles a graph per verify length (minutes on 2 cores): those first calls are said, one line
+    each, and kept out of the budget, so the price list is complete and cached however long they take, and a second
+    start reads it instead of compiling and measuring again (where each start did, 2.5 minutes a start: 2026-12-07)."""
+    import time
+
+    target, draft = _priced_pair(models, compiled=True)
     seen = set()
     forward_block = BatchDecoder.forward_block
 
@@ -415,14 +422,7 @@ def test_static_verify_prices_the_bucket_lengths_and_the_engine_s_draft_pass(mod
     """Beside a static cache the verify is priced at the bucket lengths, and the draft pass through the engine's own
     proposer: its compiled block pass when the verify is compiled (the eager proposer's pass overpriced drafting
     beside CUDA graphs on an H100)."""
-    model = models["llama"]
-    draft = DFlashDraftModel.for_target(
-        model.config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1
-    ).eval()
-    target = Target(model)
-    replan(target, static_cache=True)
-    if compiled:
-        replan(target, compile_options=EAGER_GRAPH)
+    target, draft = _priced_pair(models, compiled)
     from flashdraft.engine.batched_dflash import BatchedDFlashProposer
     from flashdraft.engine.proposers import DFlashProposer
 
