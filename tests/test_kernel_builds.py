@@ -1,6 +1,6 @@
 """The C++ kernels build, or refuse cleanly, on the CPUs this machine is not: each library's source, as cpp_build.py
 would build it, compiled (to an object thrown away: GCC finds an intrinsic the target lacks only where it inlines
-it, never in a syntax check) for an avx2-only x86 (Zen 3), an AVX-VNNI one
+it, never in a syntax check) for an avx2-only x86 (Zen 3), a Zen 4 (avx512_vnni without AVX-VNNI), an AVX-VNNI one
 without avx512 (Alder Lake) and Arm (NEON, SVE-256), with the vector-ISA macro inductor defines there. An avx512 or
 AMX intrinsic outside its guard, or any x86 intrinsic reached on Arm, is an error here, whatever CPU runs the tests;
 and the w8a16 library carries exactly the kernels that CPU can run (none on Arm, where `--quantize w8a16` is refused
@@ -25,6 +25,12 @@ ARM_CXX = os.environ.get("FLASHDRAFT_ARM_CXX", "aarch64-linux-gnu-g++")
 # name: (compiler, flags, the w8a16 kernels that build has)
 TARGETS = {
     "znver3-avx2": ("g++", "-march=znver3 -DCPU_CAPABILITY_AVX2", {"AVX2"}),
+    # a Zen 4 (GCC 12 has no -march=znver4): avx512_vnni without AVX-VNNI, a later kernel without an earlier one
+    "zen4": (
+        "g++",
+        "-march=znver3 -mavx512f -mavx512dq -mavx512bw -mavx512vl -mavx512vnni -mavx512bf16 -DCPU_CAPABILITY_AVX512",
+        {"AVX2", "VNNI"},
+    ),
     "alderlake-avx-vnni": ("g++", "-march=alderlake -DCPU_CAPABILITY_AVX2", {"AVX2", "AVXVNNI"}),
     "sapphirerapids": (
         "g++",

@@ -50,21 +50,23 @@ _library.define(
 # the kernels, from the least the CPU must have (the library's `Kernel`: the index + 1; 0 is none)
 KERNELS = ("avx2", "avx_vnni", "avx512_vnni", "avx512_vnni+amx")
 _isa: int | None = None  # None: not built yet; then 0 (no kernel) or the serving kernel's KERNELS index + 1
-_best = 0  # the best kernel this CPU may run
+_have: tuple[str, ...] = ()  # the kernels this CPU runs (`prepare`), least first
 _loaded: Any = None  # the loaded library (kept, so it stays loaded)
 
 
 def prepare() -> bool:
     """Build (or load from inductor's cache) the library, whose loading registers the operator's CPU kernel;
     whether a kernel serves on this CPU (the best it has). Outside any graph being traced."""
-    global _isa, _loaded, _best
+    global _isa, _loaded, _have
     if _isa is None:
         _isa = 0
         if missing_features():  # nothing to build: without them the build fails (or the library cannot run)
             return False
         _loaded = cpp_build.load(source(), "the w8a16 kernel")
         if _loaded is not None:
-            _isa = _best = int(_loaded.flashdraft_w8a16_isa(int(torch.cpu._init_amx()), len(KERNELS)))
+            built = int(_loaded.flashdraft_w8a16_built(int(torch.cpu._init_amx())))
+            _have = tuple(name for i, name in enumerate(KERNELS) if built >> (i + 1) & 1)
+            _isa = int(_loaded.flashdraft_w8a16_isa(int(torch.cpu._init_amx()), len(KERNELS)))
     return _isa > 0
 
 
@@ -90,7 +92,7 @@ def kernels() -> str | None:
 
 def available_kernels() -> tuple[str, ...]:
     """The kernels this CPU can run, least first (`prepare` first): what `set_kernel` may pick."""
-    return KERNELS[:_best]
+    return _have
 
 
 def set_kernel(name: str | None) -> str | None:

@@ -11,8 +11,8 @@
 
 #include <cstring>
 
-// The kernels this build has, each a superset of the one before in what the CPU must have. Every one gives a row the
-// same int32 sums and the same fp32 finish, so all give the same bits (w8a16_cpp.py's docstring).
+// The kernels this build has. Every one gives a row the same integer product S, exact, rounded once to fp32 and
+// scaled the same way, so all give the same bits (w8a16_cpp.py's docstring).
 #if defined(__AVX2__) && defined(__FMA__)
 #define W8A16_AVX2 1
 #if defined(__AVXVNNI__)
@@ -33,24 +33,37 @@ int vnni_rows = 4;   // code rows (two per input row) up to which vpdpbusd serve
 int64_t prefetch = @PREFETCH@;  // bytes ahead in each weight stream the kernels ask for (0: none)
 }
 
-// The best kernel of this build this CPU may run, at most `most` (a Kernel; tests and benchmarks ask for a lesser
-// one), AMX's only where `amx_granted` (the process may use its tiles): it serves from now on, and is returned.
-extern "C" int flashdraft_w8a16_isa(int amx_granted, int most) {
+// The kernels of this build this CPU may run, a bit per Kernel (AMX's only where `amx_granted`: the process may use
+// its tiles). A CPU may have a later one without an earlier: a Zen 4 has avx512_vnni and no AVX-VNNI.
+extern "C" int flashdraft_w8a16_built(int amx_granted) {
   using namespace flashdraft_w8a16;
-  int best = NONE;
+  int built = 0;
 #if defined(W8A16_AVX2)
-  best = AVX2;
+  built |= 1 << AVX2;
 #endif
 #if defined(W8A16_AVXVNNI)
-  best = AVX_VNNI;
+  built |= 1 << AVX_VNNI;
 #endif
 #if defined(W8A16_VNNI)
-  best = AVX512_VNNI;
+  built |= 1 << AVX512_VNNI;
 #endif
 #if defined(W8A16_AMX)
-  if (amx_granted) best = AMX;
+  if (amx_granted) built |= 1 << AMX;
 #endif
-  kernel = std::min(best, most);
+  return built;
+}
+
+// The best of those at most `most` (a Kernel; tests and benchmarks ask for a lesser one) serves from now on, and is
+// returned (NONE where there is none).
+extern "C" int flashdraft_w8a16_isa(int amx_granted, int most) {
+  using namespace flashdraft_w8a16;
+  const int built = flashdraft_w8a16_built(amx_granted);
+  kernel = NONE;
+  for (int k = most; k > NONE; --k)
+    if (built >> k & 1) {
+      kernel = k;
+      break;
+    }
   return kernel;
 }
 extern "C" void flashdraft_w8a16_vnni_rows(int rows) { flashdraft_w8a16::vnni_rows = rows; }
@@ -228,7 +241,7 @@ void dp8_rows(const int8_t* a, int64_t Kp, const int8_t* w, int64_t KC, const in
 // (vpmovsxbw) and vpmaddwd multiplies them by the row's 4 codes, summing pairs to int32: x16 * w is at most
 // 32639 * 127, so 512 inputs' sums stay below 2^31 and go to double (exact: integers below 2^53) every 128 quads.
 // The same integer S = sum(x16 * w) as the split kernels' 256 H + L, with one vpmaddwd per 16 products where
-// vpmaddubsw on split codes took four instructions per 32 for each of two code rows.
+// vpmaddubsw on split codes took four instructions per 32 for each of two code rows (1.6x slower at 4-16 rows).
 constexpr int64_t CHUNK = 128;  // quads summed in int32 before they go to double
 template <int R, int G>
 void madd_blocks(const int16_t* codes, int64_t Kp, const int8_t* wb, int64_t stride, int64_t KC, double* d) {
@@ -476,7 +489,7 @@ void linear(const X* x, int64_t M, int64_t K, const int8_t* w, int64_t NB, int64
   constexpr bool tiles = false;
 #endif
   const bool wide = kind >= AVX512_VNNI;  // 512-bit vectors (else 256-bit)
-  // vpdpbusd reads unsigned codes: stored as code + 128 here, not flipped in its loop; AMX and vpmaddubsw signed ones
+  // vpdpbusd reads unsigned codes: stored as code + 128 here, not flipped in its loop; AMX signed ones
   const int add = !tiles && (kind == AVX512_VNNI || kind == AMX || kind == AVX_VNNI) ? 128 : 0;
   const int64_t code_rows = tiles ? (2 * M + 15) / 16 * 16 : (2 * M + 7) / 8 * 8;
   std::vector<int8_t> codes(code_rows * Kp, 0);
