@@ -239,6 +239,7 @@ def measure_costs(
     slot_s: float | None = None
     proposer = None if static else DFlashProposer(draft, target, dtype=getattr(torch, draft_dtype))
     for i, c in enumerate(contexts):
+        compiling = i == 0 and target.plan.compiled  # the first context's first calls compile the graphs
         spent = time.perf_counter() - t_start - compiling_s
         if i and spent > budget:
             say(f"budget spent: {len(contexts) - i} of {len(contexts)} contexts left unmeasured")
@@ -252,7 +253,7 @@ def measure_costs(
             # timed passes draft from that context.
             t_built = time.perf_counter()
             engine = static_decoder(target, draft, ids[:, :c], dtype=draft_dtype)
-            if i == 0 and target.plan.compiled:  # its rows' joining compiles the one- and two-token graphs
+            if compiling:  # its rows' joining compiles the one- and two-token graphs
                 compiling_s += time.perf_counter() - t_built
 
             def verify(n, c=c, decoder=engine):
@@ -275,7 +276,7 @@ def measure_costs(
             def draft_pass(c=c):
                 proposer.draft_confidences(int(ids[0, c]), c, block - 1)
 
-        if i == 0 and target.plan.compiled:
+        if compiling:
             # each length's graph (and the draft pass's) compiles at its first call, or loads from inductor's
             # caches: said as it goes, and kept out of the budget, so a first start's compiling never leaves the
             # price list incomplete (uncached, measured and compiled again at every start)

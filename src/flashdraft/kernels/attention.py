@@ -120,9 +120,9 @@ def short_query_attention(
 def kernel_serves(module: torch.nn.Module, query: torch.Tensor, mask: torch.Tensor | None, n: int) -> bool:
     """Whether attention_cpp's kernel (built for this dtype) takes the call: a mask it reads (bool or added in the
     query's dtype, 4-D), or none with causal queries (or one query)."""
-    if query.device.type != "cpu" or not (kernel_ready(query.dtype) or _flagged(module)):
+    if query.device.type != "cpu" or not attention_cpp.ready(query.dtype):
         return False
-    if not attention_cpp.ready(query.dtype):
+    if query.dtype not in KERNEL_DTYPES and not _flagged(module):
         return False
     if mask is None:
         return n == 1 or getattr(module, "is_causal", True)
@@ -181,9 +181,7 @@ def use(model: torch.nn.Module, dtype: torch.dtype | None = None) -> None:
     kernel for it now (before anything is traced), and outside KERNEL_DTYPES mark the model's configs so that its
     short queries in that dtype take the kernel too (`KERNEL_FLAG`)."""
     register()
-    flag = dtype is not None and dtype not in KERNEL_DTYPES and attention_cpp.prepare(dtype)
-    if dtype in KERNEL_DTYPES:
-        attention_cpp.prepare(dtype)
+    flag = dtype is not None and attention_cpp.prepare(dtype) and dtype not in KERNEL_DTYPES
     for config in _configs(model.config):
         if getattr(config, "_attn_implementation", None) == "sdpa":
             config._attn_implementation = NAME

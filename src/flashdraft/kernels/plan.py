@@ -53,8 +53,10 @@ def switches() -> dict[str, Any]:
     keywords as a JSON object, replacing `compile_options`' own), `_FUSED_LAYERS` (a compiled w8a16 target's layers
     as one operator each; on unless 0), `_ATTENTION` ("sdpa": transformers' SDPA for every query), `_ATTENTION_TILES`
     (bf16 scores on AMX's tiles; on unless 0), `_PACKED_LINEAR` (an fp32 target's linears through oneDNN; on unless
-    0), `_W8A16_KERNEL` (the w8a16 kernel to serve, one of w8a16_cpp.KERNELS this CPU runs; else its best). They turn a kernel off for an A/B or a bug report; none changes what a model computes beyond its last bits,
-    and the compiled graphs are keyed on them (engine/compiled.py's `kernels_tag`)."""
+    0), `_W8A16_KERNEL` (the w8a16 kernel to serve, one of w8a16_cpp.KERNELS this CPU runs; else its best). They
+    turn a kernel off for an A/B or a bug report; none changes what a model computes beyond its last bits, and the
+    compiled graphs are keyed on those that change any (engine/compiled.py's `kernels_tag`: the w8a16 kernels give
+    the same bits)."""
     return {
         "compile": os.environ.get("FLASHDRAFT_COMPILE") or None,
         "fused_layers": _on("FLASHDRAFT_FUSED_LAYERS"),
@@ -100,7 +102,7 @@ PROBES: dict[str, Callable[[], Any]] = {
     "w8a8_compiles": _probe("quantize", "w8a8_compiles"),  # inductor's int8 x int8 micro-kernels
     "w8a16": _probe("quantize", "w8a16_available"),  # w8a16_cpp's kernel built and serving
     "w8a16_kernels": _probe("w8a16_cpp", "available_kernels"),  # the w8a16 kernels this CPU runs, least first
-    "attention_kernel": _attention_kernel,  # attention_cpp's kernel built (bf16)
+    "attention_kernel": _attention_kernel,  # attention_cpp's kernel built
     "attention_tiles": _attention_tiles,  # and scoring bf16 on AMX's tiles
     "untested_torch": _probe(
         "gemm_templates", "untested_torch"

@@ -2,11 +2,10 @@
 16-bit integers, in integer arithmetic, so a row's result never depends on the kernel, the order of its sums or the
 rows beside it.
 
-Each input row is scaled alone by its absmax (x16 = round(x * 32639 / absmax), |x16| <= 32639) and split in two
-int8 halves, x16 = 256 * hi + lo with lo in [-128, 127]: two code rows. Both are multiplied by the int8 weights in
-int32 (exact: |sum| <= 128 * 127 * K, below 2^31 for K up to 130,000), and the output is
+Each input row is scaled alone by its absmax (x16 = round(x * 32639 / absmax), |x16| <= 32639), multiplied by the
+int8 weights in integers (exact), and the output is
 
-    y = (256 * sum(hi * w) + sum(lo * w)) * absmax / 32639 * scale_column  (+ bias)      fp32, rounded once
+    y = fp32(sum(x16 * w)) * absmax / 32639 * scale_column  (+ bias)      the sum rounded once, then fp32
 
 Sixteen bits per row keep more of it than bf16's eight (the per-row step is absmax / 32639; SmolLM2-135M's NLL in
 benchmarks/README.md), and no weight is widened: the weights are read as they are stored, the kernel bound by
@@ -14,20 +13,22 @@ their bytes. On a 2-core Emerald Rapids Xeon SmolLM2-135M's 120 decoder linears 
 6.0 ms for the int8 x bf16 GEMMs inductor compiles (`--quantize int8`; benchmarks/README.md, 2026-12-05).
 
 Four kernels, one layout (`pack`: the weight in tiles of 16 columns x 64 inputs, an input quad's 16 x 4 bytes a
-64-byte line), each giving the same int32 sums and the same fp32 finish, so the same bits:
+64-byte line). Each computes the same exact sum and rounds it once, so all give the same bits:
 
-    kernel            the CPU has            a quad of 4 inputs x 16 columns, per code row
-    avx2              avx2 and FMA           2 x (vpsignb, vpmaddubsw, vpmaddwd by ones, vpaddd) on 32-byte halves
-    avx_vnni          AVX-VNNI (Alder Lake)  2 x vpdpbusd (256-bit) on unsigned codes, 128 x the column sum taken back
-    avx512_vnni       avx512_vnni and _bf16  1 x vpdpbusd (512-bit), as avx_vnni
-    avx512_vnni+amx   and AMX's tiles        past a few rows: tdpbssd on tiles of 16 code rows
+    kernel            the CPU has            the product
+    avx2              avx2 and FMA           x16 times the weights widened to 16 bits (vpmaddwd), int32 for 512
+                                             inputs at a time, then double
+    avx_vnni          AVX-VNNI (Alder Lake)  x16 split in two int8 code rows, 256 * hi + lo with lo in [-128, 127];
+                                             vpdpbusd (256-bit) on unsigned codes, 128 x the column sum taken back
+    avx512_vnni       avx512_vnni and _bf16  the same at 512 bits
+    avx512_vnni+amx   and AMX's tiles        past a few rows: tdpbssd on tiles of 16 split code rows
 
-avx2's vpmaddubsw multiplies unsigned by signed bytes and sums pairs to 16 bits with saturation: it is given |code|
-(at most 128) and the weight with the code's sign (at most 127: a weight is never -128), so a pair sums to at most
-32,512 and never saturates. The best kernel this CPU has serves (`prepare`; `set_kernel` picks a lesser one for tests
-and benchmarks). The library builds with inductor's compiler and flags (cpp_build.py, cached on disk) on first use; a
-CPU without avx2 and FMA (an Arm CPU: NEON's `sdot` and `i8mm`'s `smmla` would be its instructions, none written)
-gets no kernel, and `--quantize w8a16` is refused there in one line (quantize.py).
+The split kernels' two int32 sums H and L (|sum| <= 128 * 127 * K) meet as 256 H + L in double. A CPU may have a
+later kernel without an earlier one (a Zen 4: avx512_vnni, no AVX-VNNI); the best it has serves (`prepare`;
+`set_kernel` picks another for tests and benchmarks). The library builds with inductor's compiler and flags
+(cpp_build.py, cached on disk) on first use; a CPU without avx2 and FMA (an Arm CPU: NEON's `sdot` and `i8mm`'s
+`smmla` would be its instructions, none written) gets no kernel, and `--quantize w8a16` is refused there in one line
+(quantize.py).
 """
 
 from __future__ import annotations
@@ -76,12 +77,12 @@ def source() -> str:
     return text.replace("@HALF@", str(HALF)).replace("@PREFETCH@", str(PREFETCH))
 
 
-def missing_features(features: str | None = None) -> list[str]:
-    """The CPU features the kernel needs that this CPU (or `features`, cpu_info.cpu_features' line) lacks: avx2
-    and FMA, the least of its kernels (an Arm CPU lacks both)."""
+def missing_features() -> list[str]:
+    """The CPU features the kernel needs that this CPU lacks: avx2 and FMA, the least of its kernels (an Arm CPU
+    lacks both)."""
     from .cpu_info import cpu_features
 
-    have = set((features if features is not None else cpu_features()).split())
+    have = set(cpu_features().split())
     return [name for name in ("avx2", "fma") if name not in have]
 
 
