@@ -67,7 +67,12 @@ def test_an_avx2_cpu_is_refused_the_schemes_it_cannot_run_exactly_and_compiles_i
     for compile in (False, True):  # w8a16's integer kernel in fp32 rows, eager and compiled
         w8a16 = make_plan(CPU, None, "w8a16", compile=compile, offer=avx2)
         assert w8a16.dtype == torch.float32 and w8a16.attention_kernel and w8a16.row_invariant
-        assert not w8a16.fused_layers and w8a16.compiled == compile  # the fused layer is bf16's
+        # its layers fused (fp32 too), eager on the static cache as compiled
+        assert w8a16.fused_layers and w8a16.static_cache and w8a16.compiled == compile
+    no_kernel = make_plan(CPU, None, "w8a16", offer=offer(AVX2, attention_kernel=False))
+    assert (
+        not no_kernel.fused_layers and not no_kernel.static_cache
+    )  # the fused layer calls the attention kernel
     eager = make_plan(CPU, None, "int8", offer=avx2)
     assert eager.dtype == torch.bfloat16 and not eager.compiled and not eager.static_cache
     compiled = make_plan(CPU, None, "int8", compile=True, offer=avx2)
@@ -90,14 +95,15 @@ def test_an_arm_cpu_is_refused_the_x86_schemes_in_one_line_and_runs_the_rest():
     assert plan.dtype == torch.float32 and not plan.attention_kernel and not plan.row_invariant
 
 
-def test_an_amx_cpu_runs_every_scheme_and_fuses_a_compiled_w8a16_target_s_layers():
+def test_an_amx_cpu_runs_every_scheme_and_fuses_a_w8a16_target_s_layers():
     amx = offer(AMX)
     for scheme in ("int8", "w8a8", "w8a16"):
         plan = make_plan(CPU, None, scheme, compile=True, offer=amx)
         assert plan.dtype == torch.bfloat16 and plan.compiled and plan.compile_note is None
         assert plan.fused_layers == (scheme == "w8a16") and plan.trees_exact
         assert plan.attention_kernel and plan.attention_tiles and plan.bf16_rows == "amx"
-    assert not make_plan(CPU, None, "w8a16", offer=amx).fused_layers  # eager: the layers as they are
+    eager = make_plan(CPU, None, "w8a16", offer=amx)  # eager: the fused layers on the static cache
+    assert eager.fused_layers and eager.static_cache and not eager.compiled
 
 
 def test_what_compile_cannot_take_decodes_eagerly_with_one_line_saying_why():
@@ -123,9 +129,15 @@ def test_the_six_switches_are_read_by_the_plan(monkeypatch):
     monkeypatch.setenv("FLASHDRAFT_ATTENTION", "sdpa")
     plan = make_plan(CPU, offer=amx)
     assert not plan.packed_linears and plan.attention == "sdpa" and not plan.attention_kernel
+    assert not make_plan(
+        CPU, None, "w8a16", offer=amx
+    ).fused_layers  # the fused layer calls the attention kernel
+    monkeypatch.delenv("FLASHDRAFT_ATTENTION")
     assert make_plan(CPU, None, "w8a16", compile=True, offer=amx).fused_layers
     monkeypatch.setenv("FLASHDRAFT_FUSED_LAYERS", "off")
     assert not make_plan(CPU, None, "w8a16", compile=True, offer=amx).fused_layers
+    eager = make_plan(CPU, None, "w8a16", offer=amx)
+    assert not eager.fused_layers and not eager.static_cache  # eager without them: the growing cache
     monkeypatch.setenv("FLASHDRAFT_COMPILE", '{"backend": "eager"}')
     assert make_plan(CPU, compile=True, offer=amx).compile_options == {"backend": "eager"}
     monkeypatch.setenv("FLASHDRAFT_COMPILE", "reduce-overhead")

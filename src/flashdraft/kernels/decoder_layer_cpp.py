@@ -1,15 +1,17 @@
 """One C++ operator for a whole decoder layer of a `--quantize w8a16` target at decode: a Llama-style pre-norm layer
 (RMSNorm, q / k / v, RoPE, the static cache's write, attention, o, RMSNorm, SiLU-gated MLP, the two residuals) in
-one call from a compiled graph, where inductor's graph made eight: four w8a16 products, the attention and three
-kernels of its own (the norms, RoPE with the cache's write, SiLU x up), each with its Python call, its checks and
-its views. On a 2-core Emerald Rapids Xeon half of a one-token step of SmolLM2-135M was the first thread's Python
-and torch's dispatch while the second waited (`perf`, benchmarks/README.md, stop 75); 37 % of it lay outside the
-operators (stop 76).
+one call, in bf16 or fp32, from a compiled graph or eagerly. Compiled, inductor's graph of the layer made eight calls:
+four w8a16 products, the attention and three kernels of its own (the norms, RoPE with the cache's write, SiLU x
+up), each with its Python call, its checks and its views. On a 2-core Emerald Rapids Xeon half of a one-token step
+of SmolLM2-135M was the first thread's Python and torch's dispatch while the second waited (`perf`,
+benchmarks/README.md, stop 75); 37 % of it lay outside the operators (stop 76). Eager, the model's own layer made
+about twenty: the fused layers make an eager w8a16 target decode as fast as a compiled one, with no compile (on an
+avx2 CPU, where w8a16 runs fp32 rows, `--compile` is a start of minutes; benchmarks/README.md, stop 92).
 
 The operator calls the w8a16 product (w8a16_cpp.py) and the short-query attention (attention_cpp.py) through
 torch's dispatcher, and does the rest in plain loops, each query row alone:
 
-    x   = rms(hidden) * w_in                      fp32, rounded once
+    x   = rms(hidden) * w_in                      fp32, rounded once (bf16; fp32 is stored as computed)
     q, k, v = x @ W_qkv   (q_norm / k_norm per head where the layer has them)
     q, k = RoPE(q, k; cos, sin)                   fp32, rounded once
     cache[columns] = k, v;   a = attention(q, cache, mask)
@@ -18,10 +20,11 @@ torch's dispatcher, and does the rest in plain loops, each query row alone:
 
 Each step's result for a row depends on that row alone (the products are exact integer sums, the attention's bits
 do not depend on the rows beside it), so a verify of n tokens gives each token the bits of a one-token step and
-DFlash stays plain decoding bit for bit. Each tensor the layer stores is rounded to bf16 once, from fp32, but its
-sums run in other orders than those of inductor's graph of the unfused layer, so the two give other bits
-(SmolLM2-135M: the drafter's features about 4 % from the fp32 model's either way, benchmarks/README.md): the layer is
-used alike by every decode step of a target (`fuse`, at `--compile`), never for some steps and not others.
+DFlash stays plain decoding bit for bit. Each tensor the layer stores is rounded once, from fp32, but its sums run
+in other orders than those of the unfused layer, so the two give other bits (SmolLM2-135M: the drafter's features
+about 4 % from the fp32 model's either way, benchmarks/README.md): the layer is used alike by every decode step of a
+target (`fuse`, where the kernel plan says: a w8a16 target with the attention kernel, eager or compiled), never for
+some steps and not others.
 
 `fuse` joins a layer's q / k / v weights (and gate / up) into one packed weight; the layers' own buffers become
 views of it, so the join costs no memory. Layers it cannot run as the model defines them keep their own forward
@@ -74,14 +77,18 @@ def source() -> str:
     return cpp_build.source_file("decoder_layer.cpp").replace("@PARALLEL_ROWS@", str(PARALLEL_ROWS))
 
 
-def prepare() -> bool:
-    """Build (or load from inductor's cache) the library, once the two kernels it calls are built; whether the
-    operator serves. Outside any graph being traced."""
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}  # the layer's element types
+DTYPES = tuple(DTYPE_NAMES)
+
+
+def prepare(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Build (or load from inductor's cache) the library, once the two kernels it calls are built for `dtype`;
+    whether the operator serves in `dtype`. Outside any graph being traced."""
     global _built, _loaded
+    if dtype not in DTYPES or not (w8a16_cpp.prepare() and attention_cpp.prepare(dtype)):
+        return False
     if _built is None:
         _built = False
-        if not (w8a16_cpp.prepare() and attention_cpp.prepare(torch.bfloat16)):
-            return False
         _loaded = cpp_build.load(source(), "the fused decoder layer")
         _built = _loaded is not None
     return bool(_built)
@@ -109,8 +116,8 @@ def _join(layer: nn.Module, part: str, linears: list[nn.Module]) -> None:
         layer.register_buffer(f"fused_{part}_{field}", t, persistent=False)
 
 
-def refusal(layer: nn.Module) -> str | None:
-    """Why `layer` cannot run as the fused operator (None: it can)."""
+def refusal(layer: nn.Module, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why `layer` cannot run as the fused operator in `dtype` (None: it can)."""
     from .quantize import W8A16Linear
 
     if type(layer).__name__ not in LAYER_CLASSES:
@@ -126,8 +133,8 @@ def refusal(layer: nn.Module) -> str | None:
         return f"the activation {act}"
     head_norms = [getattr(attn, n) for n in ("q_norm", "k_norm") if getattr(attn, n, None) is not None]
     for norm in (layer.input_layernorm, layer.post_attention_layernorm, *head_norms):
-        if getattr(norm, "weight", None) is None or norm.weight.dtype != torch.bfloat16:
-            return "norms without bf16 weights"
+        if getattr(norm, "weight", None) is None or norm.weight.dtype != dtype:
+            return f"norms without {DTYPE_NAMES.get(dtype, dtype)} weights"
     d, heads, kv_heads = attn.head_dim, attn.config.num_attention_heads, attn.config.num_key_value_heads
     shapes = {
         "q_proj": heads * d,
@@ -145,17 +152,17 @@ def refusal(layer: nn.Module) -> str | None:
     return None
 
 
-def fuse(model: nn.Module) -> int:
-    """Give each decoder layer of `model` that the operator runs exactly a forward through it at decode (the static
-    cache, a short query, bf16, the mask a 4-D tensor); the number of layers fused. Idempotent."""
-    if not prepare():
+def fuse(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Give each decoder layer of `model` (in `dtype`: bf16 or fp32) that the operator runs exactly a forward through
+    it at decode (the static cache, a short query, the mask a 4-D tensor); the number of layers fused. Idempotent."""
+    if not prepare(dtype):
         return 0
     fused = 0
     for layer in model.modules():
         if hasattr(layer, "_unfused_forward"):
             fused += 1
             continue
-        if refusal(layer) is not None:
+        if refusal(layer, dtype) is not None:
             continue
         attn, mlp = layer.self_attn, layer.mlp
         _join(layer, "qkv", [attn.q_proj, attn.k_proj, attn.v_proj])
@@ -197,14 +204,15 @@ def _forward(
     runs = (
         kv is not None
         and hidden_states.dim() == 3
-        and hidden_states.dtype == torch.bfloat16
+        and hidden_states.dtype in DTYPES
+        and hidden_states.dtype == self.input_layernorm.weight.dtype
         and hidden_states.shape[1] <= attention.SHORT_QUERY
         and attention_mask is not None  # the static cache's mask, which the attention kernel reads
         and attention.kernel_serves(attn, hidden_states, attention_mask, hidden_states.shape[1])
         and cos is not None
-        and cos.dtype == torch.bfloat16
+        and cos.dtype == hidden_states.dtype
         and cos.shape[-1] == attn.head_dim
-        and kv._k.dtype == torch.bfloat16
+        and kv._k.dtype == hidden_states.dtype
         and getattr(attn.config, "_attn_implementation", None) == attention.NAME
     )
     if not runs:

@@ -16,10 +16,11 @@ read (`check_quantize`); what `--compile` cannot take decodes eagerly, the plan'
                       for bf16 scores unless FLASHDRAFT_ATTENTION_TILES=0)             SDPA's kernel)
     compiled verify   --compile, unless fp16 weights, or bf16 / int8 on a torch the    eager, through the growing or
                       GEMM kernels are not tested with, or w8a8 without its template   static cache
-    static cache      compiled, or on a GPU (where the target's family allows it)      the growing cache
+    static cache      compiled, or on a GPU, or fused layers (where the family allows)   the growing cache
     w8a16 kernel      --quantize w8a16: the best this CPU has (w8a16_cpp.KERNELS: avx2,  refused (no avx2 and FMA)
                       AVX-VNNI, avx512_vnni, AMX), all giving the same bits
-    fused layers      compiled bf16 w8a16 on a CPU, unless FLASHDRAFT_FUSED_LAYERS=0    inductor's graph of each layer
+    fused layers      w8a16 on a CPU with the attention kernel, eager or compiled,     the model's own layers
+                      unless FLASHDRAFT_FUSED_LAYERS=0
     bf16 row kernel   compiled on a CPU: AMX, else the pair kernel (avx512_bf16)       inductor's own (trees refused)
 """
 
@@ -50,7 +51,7 @@ def _on(name: str) -> bool:
 
 def switches() -> dict[str, Any]:
     """The six switches that choose kernels, as this process sees them now: `$FLASHDRAFT_COMPILE` (torch.compile's
-    keywords as a JSON object, replacing `compile_options`' own), `_FUSED_LAYERS` (a compiled w8a16 target's layers
+    keywords as a JSON object, replacing `compile_options`' own), `_FUSED_LAYERS` (a w8a16 target's layers
     as one operator each; on unless 0), `_ATTENTION` ("sdpa": transformers' SDPA for every query), `_ATTENTION_TILES`
     (bf16 scores on AMX's tiles; on unless 0), `_PACKED_LINEAR` (an fp32 target's linears through oneDNN; on unless
     0), `_W8A16_KERNEL` (the w8a16 kernel to serve, one of w8a16_cpp.KERNELS this CPU runs; else its best). They
@@ -151,7 +152,7 @@ class KernelPlan:
     attention: str = "sdpa"  # SHORT_QUERY (attention.py) or "sdpa"
     attention_kernel: bool = False  # short bf16 queries through attention_cpp's kernel
     attention_tiles: bool = False  # its bf16 scores on AMX's tiles
-    fused_layers: bool = False  # a compiled w8a16 target's decoder layers as decoder_layer_cpp's operator
+    fused_layers: bool = False  # a w8a16 target's decoder layers as decoder_layer_cpp's operator
     w8a16_kernel: str | None = None  # the w8a16 products' kernel (w8a16_cpp.KERNELS; all give the same bits)
     bf16_rows: str | None = (
         None  # compiled on a CPU: the kernel holding bf16 rows to one order ("amx", "pairs")
@@ -292,12 +293,15 @@ def make_plan(
     # and its rows hold only around this kernel: `row_invariant`)
     kernel_dtype = dtype == torch.bfloat16 or dtype == torch.float32 and quantize == "w8a16"
     kernel = attention == SHORT_QUERY and kernel_dtype and bool(offer("attention_kernel"))
+    # a w8a16 target's decoder layers as one operator each at decode (it calls the attention kernel), eager or
+    # compiled; it reads and writes the static cache
+    fused = cpu and quantize == "w8a16" and kernel and env["fused_layers"]
     return KernelPlan(
         device=device,
         dtype=dtype,
         quantize=quantize,
         compile_options=options,
-        static_cache=compiled or device.type == "cuda",
+        static_cache=compiled or device.type == "cuda" or fused,
         packed_linears=(
             pack_linears and cpu and not compiled and dtype == torch.float32 and quantize is None
             and env["packed_linears"] and bool(offer("onednn_fp32"))
@@ -305,7 +309,7 @@ def make_plan(
         attention=attention,
         attention_kernel=kernel,
         attention_tiles=kernel and bool(offer("attention_tiles")),
-        fused_layers=compiled and cpu and quantize == "w8a16" and dtype == torch.bfloat16 and env["fused_layers"],
+        fused_layers=fused,
         w8a16_kernel=_w8a16_kernel(env["w8a16_kernel"], offer) if quantize == "w8a16" else None,
         bf16_rows=offer("bf16_rows") if compiled and cpu and dtype == torch.bfloat16 else None,
         compile_note=f"--compile: {why}; decoding eagerly" if why else None,
@@ -504,5 +508,5 @@ def prepare_model(model: torch.nn.Module, plan: KernelPlan) -> bool:
     if plan.fused_layers:
         from . import decoder_layer_cpp
 
-        decoder_layer_cpp.fuse(model)  # a decode step's layer in one call each (its docstring)
+        decoder_layer_cpp.fuse(model, plan.dtype)  # a decode step's layer in one call each (its docstring)
     return replaced > 0

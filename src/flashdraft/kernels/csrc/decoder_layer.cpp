@@ -39,9 +39,13 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 using Vf = at::vec::Vectorized<float>;
 using Vb = at::vec::Vectorized<bf16>;  // twice Vf's lanes
-constexpr int64_t L = Vb::size();
+constexpr int64_t L = Vb::size();     // elements a step: two Vf halves, in either element type
+constexpr int64_t HALF = Vf::size();
 
-// apply `fn` (two Vf halves in, one bf16 vector out) over n elements, the tail by count
+// The layer's tensors are bf16 or fp32 (`T`): every step loads them as two fp32 halves, computes in fp32 and stores
+// the result rounded once to T (bf16), or as it is (fp32).
+
+// apply `fn` (two Vf halves in, one vector of T out) over n elements, the tail by count
 template <typename Fn>
 inline void each(int64_t n, Fn fn) {
   int64_t i = 0;
@@ -51,14 +55,30 @@ inline void each(int64_t n, Fn fn) {
 inline std::tuple<Vf, Vf> load(const bf16* p, int64_t count) {
   return at::vec::convert_to_float<bf16>(count == L ? Vb::loadu(p) : Vb::loadu(p, count));
 }
+inline std::tuple<Vf, Vf> load(const float* p, int64_t count) {
+  if (count == L) return {Vf::loadu(p), Vf::loadu(p + HALF)};
+  const int64_t lo = std::min(count, HALF), hi = count - lo;  // a tail's missing lanes load as zeros
+  return {Vf::loadu(p, lo), hi > 0 ? Vf::loadu(p + HALF, hi) : Vf(0.f)};
+}
 inline void store(bf16* p, const Vf& lo, const Vf& hi, int64_t count) {
   Vb v = at::vec::convert_from_float<bf16>(lo, hi);
   if (count == L) v.store(p);
   else v.store(p, count);
 }
+inline void store(float* p, const Vf& lo, const Vf& hi, int64_t count) {
+  if (count == L) {
+    lo.store(p);
+    hi.store(p + HALF);
+    return;
+  }
+  const int64_t l = std::min(count, HALF), h = count - l;
+  lo.store(p, l);
+  if (h > 0) hi.store(p + HALF, h);
+}
 
 // RMSNorm: w * x * rsqrt(mean(x^2) + eps) in fp32, rounded once
-inline void rms_norm(const bf16* x, const bf16* w, bf16* out, int64_t n, float eps) {
+template <typename T>
+inline void rms_norm(const T* x, const T* w, T* out, int64_t n, float eps) {
   Vf acc(0.f);
   each(n, [&](int64_t i, int64_t c) {  // a tail's missing lanes load as zeros
     auto [lo, hi] = load(x + i, c);
@@ -74,8 +94,9 @@ inline void rms_norm(const bf16* x, const bf16* w, bf16* out, int64_t n, float e
   });
 }
 
-// out = a + b, each rounded to bf16
-inline void add(const bf16* a, const bf16* b, bf16* out, int64_t n) {
+// out = a + b, each rounded to T
+template <typename T>
+inline void add(const T* a, const T* b, T* out, int64_t n) {
   each(n, [&](int64_t i, int64_t c) {
     auto [alo, ahi] = load(a + i, c);
     auto [blo, bhi] = load(b + i, c);
@@ -84,7 +105,8 @@ inline void add(const bf16* a, const bf16* b, bf16* out, int64_t n) {
 }
 
 // out = silu(gate) * up in fp32, rounded once: transformers' act_fn(gate_proj(x)) * up_proj(x)
-inline void silu_mul(const bf16* gate, const bf16* up, bf16* out, int64_t n) {
+template <typename T>
+inline void silu_mul(const T* gate, const T* up, T* out, int64_t n) {
   const Vf one(1.f);
   each(n, [&](int64_t i, int64_t c) {
     auto [glo, ghi] = load(gate + i, c);
@@ -94,7 +116,8 @@ inline void silu_mul(const bf16* gate, const bf16* up, bf16* out, int64_t n) {
 }
 
 // one head's RoPE in place: rotate_half's pairs (i, i + d/2), fp32 (a product each, then their sum), rounded once
-inline void rope(bf16* x, const bf16* cos, const bf16* sin, int64_t d) {
+template <typename T>
+inline void rope(T* x, const T* cos, const T* sin, int64_t d) {
   const int64_t half = d / 2;
   each(half, [&](int64_t i, int64_t c) {
     auto [alo, ahi] = load(x + i, c);
@@ -121,8 +144,98 @@ inline void each_row(int64_t M, Fn fn) {
   });
 }
 
-// hidden [b, n, H]; cos / sin [b | 1, n, d]; key_cache / value_cache [b, kv_heads, capacity, d] (written at
-// `columns` [n]); mask [b | 1, 1 | heads, n | 1, >= width] bool or added -> the layer's output [b, n, H]
+// the layer in element type T (the checks done: `decoder_layer` below)
+template <typename T>
+at::Tensor layer(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
+                         at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& columns,
+                         const at::Tensor& mask, const at::Tensor& norm_in, const at::Tensor& norm_post,
+                         const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
+                         const at::Tensor& qkv_packed, const at::Tensor& qkv_scales, const at::Tensor& qkv_colsums,
+                         const std::optional<at::Tensor>& qkv_bias, const at::Tensor& o_packed,
+                         const at::Tensor& o_scales, const at::Tensor& o_colsums,
+                         const std::optional<at::Tensor>& o_bias, const at::Tensor& gu_packed,
+                         const at::Tensor& gu_scales, const at::Tensor& gu_colsums,
+                         const std::optional<at::Tensor>& gu_bias, const at::Tensor& down_packed,
+                         const at::Tensor& down_scales, const at::Tensor& down_colsums,
+                         const std::optional<at::Tensor>& down_bias, int64_t heads, int64_t kv_heads,
+                         int64_t head_dim, int64_t intermediate, double eps, double scale) {
+  const int64_t b = hidden.size(0), n = hidden.size(1), H = hidden.size(2), d = head_dim, M = b * n;
+  const int64_t qw = heads * d, kw = kv_heads * d, width = qw + 2 * kw;
+  const at::Tensor cos_c = cos.contiguous(), sin_c = sin.contiguous(), cols = columns.contiguous();
+  const int64_t capacity = key_cache.size(2);
+  const int64_t* col = cols.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK(col[t] >= 0 && col[t] < capacity, "flashdraft::decoder_layer: a column is outside the cache");
+
+  // x = norm(hidden); q / k / v in one product
+  at::Tensor x = at::empty({M, H}, hidden.options());
+  const T* h = hidden.data_ptr<T>();
+  const float eps_f = static_cast<float>(eps);
+  each_row(M, [&](int64_t m) { rms_norm(h + m * H, norm_in.data_ptr<T>(), x.data_ptr<T>() + m * H, H, eps_f); });
+  at::Tensor qkv = linear(x, qkv_packed, qkv_scales, qkv_colsums, qkv_bias);  // [M, qw + 2 kw]
+
+  // per-head norms, RoPE; the query rows apart [b, n, heads, d]; the cache's write
+  at::Tensor q = at::empty({b, n, heads, d}, hidden.options());
+  T* qp = q.data_ptr<T>();
+  T* kc = key_cache.data_ptr<T>();
+  T* vc = value_cache.data_ptr<T>();
+  const int64_t ks0 = key_cache.stride(0), ks1 = key_cache.stride(1), ks2 = key_cache.stride(2);
+  const int64_t vs0 = value_cache.stride(0), vs1 = value_cache.stride(1), vs2 = value_cache.stride(2);
+  const T* qn = q_norm.has_value() ? q_norm->data_ptr<T>() : nullptr;
+  const T* kn = k_norm.has_value() ? k_norm->data_ptr<T>() : nullptr;
+  each_row(M, [&](int64_t m) {
+    thread_local std::vector<T> head;  // a key head between its norm, RoPE and the cache (each thread its own)
+    head.resize(d);
+    const int64_t row = m / n, t = m % n, c = cos.size(0) == 1 ? t : m;
+    const T* src = qkv.data_ptr<T>() + m * width;
+    const T* cs = cos_c.data_ptr<T>() + c * d;
+    const T* sn = sin_c.data_ptr<T>() + c * d;
+    for (int64_t hh = 0; hh < heads; ++hh) {
+      T* dst = qp + m * qw + hh * d;
+      if (qn) rms_norm(src + hh * d, qn, dst, d, eps_f);
+      else std::copy(src + hh * d, src + (hh + 1) * d, dst);
+      rope(dst, cs, sn, d);
+    }
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      T* kdst = kc + row * ks0 + g * ks1 + col[t] * ks2;
+      const T* ksrc = src + qw + g * d;
+      if (kn) rms_norm(ksrc, kn, head.data(), d, eps_f);
+      else std::copy(ksrc, ksrc + d, head.data());
+      rope(head.data(), cs, sn, d);
+      std::copy(head.begin(), head.end(), kdst);
+      const T* vsrc = src + qw + kw + g * d;
+      std::copy(vsrc, vsrc + d, vc + row * vs0 + g * vs1 + col[t] * vs2);
+    }
+  });
+  qkv.reset();
+
+  // attention over the columns the mask covers (the cache's capacity at most)
+  const at::Tensor m4 = mask.size(3) > capacity ? mask.narrow(3, 0, capacity) : mask;
+  at::Tensor a = attend(q.transpose(1, 2), key_cache, value_cache, m4, scale);  // [b, n, heads, d]
+  at::Tensor o = linear(a.view({M, qw}), o_packed, o_scales, o_colsums, o_bias);  // [M, H]
+  a.reset();
+
+  // h = hidden + o; y = norm(h); the MLP; out = h + down
+  at::Tensor out = at::empty({b, n, H}, hidden.options());
+  T* out_ = out.data_ptr<T>();
+  each_row(M, [&](int64_t m) {
+    add(h + m * H, o.data_ptr<T>() + m * H, out_ + m * H, H);
+    rms_norm(out_ + m * H, norm_post.data_ptr<T>(), x.data_ptr<T>() + m * H, H, eps_f);
+  });
+  at::Tensor gu = linear(x, gu_packed, gu_scales, gu_colsums, gu_bias);  // [M, 2 I]: gate, then up
+  at::Tensor act = at::empty({M, intermediate}, hidden.options());
+  each_row(M, [&](int64_t m) {
+    const T* gate = gu.data_ptr<T>() + m * 2 * intermediate;
+    silu_mul(gate, gate + intermediate, act.data_ptr<T>() + m * intermediate, intermediate);
+  });
+  gu.reset();
+  at::Tensor down = linear(act, down_packed, down_scales, down_colsums, down_bias);
+  each_row(M, [&](int64_t m) { add(out_ + m * H, down.data_ptr<T>() + m * H, out_ + m * H, H); });
+  return out;
+}
+// hidden [b, n, H] bf16 or fp32; cos / sin [b | 1, n, d], the caches [b, kv_heads, capacity, d] (written at
+// `columns` [n]) and the norms' weights in hidden's dtype; mask [b | 1, 1 | heads, n | 1, >= width] bool or added
+// -> the layer's output [b, n, H]
 at::Tensor decoder_layer(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
                          at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& columns,
                          const at::Tensor& mask, const at::Tensor& norm_in, const at::Tensor& norm_post,
@@ -137,91 +250,34 @@ at::Tensor decoder_layer(const at::Tensor& hidden, const at::Tensor& cos, const 
                          const std::optional<at::Tensor>& down_bias, int64_t heads, int64_t kv_heads,
                          int64_t head_dim, int64_t intermediate, double eps, double scale) {
   constexpr const char* op = "flashdraft::decoder_layer: ";
-  TORCH_CHECK(hidden.dim() == 3 && hidden.is_contiguous() && hidden.scalar_type() == at::kBFloat16, op,
-              "hidden must be contiguous bf16 [b, n, H]");
-  const int64_t b = hidden.size(0), n = hidden.size(1), H = hidden.size(2), d = head_dim, M = b * n;
-  const int64_t qw = heads * d, kw = kv_heads * d, width = qw + 2 * kw;
+  const auto dtype = hidden.scalar_type();
+  TORCH_CHECK(hidden.dim() == 3 && hidden.is_contiguous() && (dtype == at::kBFloat16 || dtype == at::kFloat), op,
+              "hidden must be contiguous bf16 or fp32 [b, n, H]");
+  const int64_t b = hidden.size(0), n = hidden.size(1), d = head_dim;
   TORCH_CHECK(cos.dim() == 3 && sin.sizes() == cos.sizes() && cos.size(1) == n && cos.size(2) == d &&
-                  (cos.size(0) == 1 || cos.size(0) == b) && cos.scalar_type() == at::kBFloat16 &&
-                  sin.scalar_type() == at::kBFloat16,
-              op, "cos / sin must be bf16 [b | 1, n, head_dim]");
+                  (cos.size(0) == 1 || cos.size(0) == b) && cos.scalar_type() == dtype && sin.scalar_type() == dtype,
+              op, "cos / sin must be [b | 1, n, head_dim] in hidden's dtype");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.size(0) == b && key_cache.size(1) == kv_heads &&
                   key_cache.size(3) == d && key_cache.stride(3) == 1 && value_cache.sizes() == key_cache.sizes() &&
-                  value_cache.stride(3) == 1 && key_cache.scalar_type() == at::kBFloat16 &&
-                  value_cache.scalar_type() == at::kBFloat16,
-              op, "the caches must be bf16 [b, kv_heads, capacity, head_dim]");
+                  value_cache.stride(3) == 1 && key_cache.scalar_type() == dtype &&
+                  value_cache.scalar_type() == dtype,
+              op, "the caches must be [b, kv_heads, capacity, head_dim] in hidden's dtype");
   TORCH_CHECK(columns.dim() == 1 && columns.size(0) == n && columns.scalar_type() == at::kLong, op,
               "columns must be [n] long");
-  const at::Tensor cos_c = cos.contiguous(), sin_c = sin.contiguous(), cols = columns.contiguous();
-  const int64_t capacity = key_cache.size(2);
-  const int64_t* col = cols.data_ptr<int64_t>();
-  for (int64_t t = 0; t < n; ++t) TORCH_CHECK(col[t] >= 0 && col[t] < capacity, op, "a column is outside the cache");
-
-  // x = norm(hidden); q / k / v in one product
-  at::Tensor x = at::empty({M, H}, hidden.options());
-  const bf16* h = hidden.data_ptr<bf16>();
-  const float eps_f = static_cast<float>(eps);
-  each_row(M, [&](int64_t m) { rms_norm(h + m * H, norm_in.data_ptr<bf16>(), x.data_ptr<bf16>() + m * H, H, eps_f); });
-  at::Tensor qkv = linear(x, qkv_packed, qkv_scales, qkv_colsums, qkv_bias);  // [M, qw + 2 kw]
-
-  // per-head norms, RoPE; the query rows apart [b, n, heads, d]; the cache's write
-  at::Tensor q = at::empty({b, n, heads, d}, hidden.options());
-  bf16* qp = q.data_ptr<bf16>();
-  bf16* kc = key_cache.data_ptr<bf16>();
-  bf16* vc = value_cache.data_ptr<bf16>();
-  const int64_t ks0 = key_cache.stride(0), ks1 = key_cache.stride(1), ks2 = key_cache.stride(2);
-  const int64_t vs0 = value_cache.stride(0), vs1 = value_cache.stride(1), vs2 = value_cache.stride(2);
-  const bf16* qn = q_norm.has_value() ? q_norm->data_ptr<bf16>() : nullptr;
-  const bf16* kn = k_norm.has_value() ? k_norm->data_ptr<bf16>() : nullptr;
-  each_row(M, [&](int64_t m) {
-    thread_local std::vector<bf16> head;  // a key head between its norm, RoPE and the cache (each thread its own)
-    head.resize(d);
-    const int64_t row = m / n, t = m % n, c = cos.size(0) == 1 ? t : m;
-    const bf16* src = qkv.data_ptr<bf16>() + m * width;
-    const bf16* cs = cos_c.data_ptr<bf16>() + c * d;
-    const bf16* sn = sin_c.data_ptr<bf16>() + c * d;
-    for (int64_t hh = 0; hh < heads; ++hh) {
-      bf16* dst = qp + m * qw + hh * d;
-      if (qn) rms_norm(src + hh * d, qn, dst, d, eps_f);
-      else std::copy(src + hh * d, src + (hh + 1) * d, dst);
-      rope(dst, cs, sn, d);
-    }
-    for (int64_t g = 0; g < kv_heads; ++g) {
-      bf16* kdst = kc + row * ks0 + g * ks1 + col[t] * ks2;
-      const bf16* ksrc = src + qw + g * d;
-      if (kn) rms_norm(ksrc, kn, head.data(), d, eps_f);
-      else std::copy(ksrc, ksrc + d, head.data());
-      rope(head.data(), cs, sn, d);
-      std::copy(head.begin(), head.end(), kdst);
-      const bf16* vsrc = src + qw + kw + g * d;
-      std::copy(vsrc, vsrc + d, vc + row * vs0 + g * vs1 + col[t] * vs2);
-    }
-  });
-  qkv.reset();
-
-  // attention over the columns the mask covers (the cache's capacity at most)
-  const at::Tensor m4 = mask.size(3) > capacity ? mask.narrow(3, 0, capacity) : mask;
-  at::Tensor a = attend(q.transpose(1, 2), key_cache, value_cache, m4, scale);  // [b, n, heads, d]
-  at::Tensor o = linear(a.view({M, qw}), o_packed, o_scales, o_colsums, o_bias);  // [M, H]
-  a.reset();
-
-  // h = hidden + o; y = norm(h); the MLP; out = h + down
-  at::Tensor out = at::empty({b, n, H}, hidden.options());
-  bf16* out_ = out.data_ptr<bf16>();
-  each_row(M, [&](int64_t m) {
-    add(h + m * H, o.data_ptr<bf16>() + m * H, out_ + m * H, H);
-    rms_norm(out_ + m * H, norm_post.data_ptr<bf16>(), x.data_ptr<bf16>() + m * H, H, eps_f);
-  });
-  at::Tensor gu = linear(x, gu_packed, gu_scales, gu_colsums, gu_bias);  // [M, 2 I]: gate, then up
-  at::Tensor act = at::empty({M, intermediate}, hidden.options());
-  each_row(M, [&](int64_t m) {
-    const bf16* gate = gu.data_ptr<bf16>() + m * 2 * intermediate;
-    silu_mul(gate, gate + intermediate, act.data_ptr<bf16>() + m * intermediate, intermediate);
-  });
-  gu.reset();
-  at::Tensor down = linear(act, down_packed, down_scales, down_colsums, down_bias);
-  each_row(M, [&](int64_t m) { add(out_ + m * H, down.data_ptr<bf16>() + m * H, out_ + m * H, H); });
-  return out;
+  for (const at::Tensor* w : {&norm_in, &norm_post})
+    TORCH_CHECK(w->is_contiguous() && w->scalar_type() == dtype && w->numel() == hidden.size(2), op,
+                "the norms' weights must be [H] in hidden's dtype");
+  for (const std::optional<at::Tensor>* w : {&q_norm, &k_norm})
+    TORCH_CHECK(!w->has_value() || ((*w)->is_contiguous() && (*w)->scalar_type() == dtype && (*w)->numel() == d),
+                op, "the heads' norms' weights must be [head_dim] in hidden's dtype");
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    return layer<T>(hidden, cos, sin, key_cache, value_cache, columns, mask, norm_in, norm_post, q_norm, k_norm,
+                    qkv_packed, qkv_scales, qkv_colsums, qkv_bias, o_packed, o_scales, o_colsums, o_bias, gu_packed,
+                    gu_scales, gu_colsums, gu_bias, down_packed, down_scales, down_colsums, down_bias, heads,
+                    kv_heads, head_dim, intermediate, eps, scale);
+  };
+  return dtype == at::kFloat ? run(float{}) : run(bf16{});
 }
 }  // namespace
 
