@@ -86,7 +86,7 @@ def layer_calls(target: Target, ids: torch.Tensor, max_new: int) -> int:
     return sum(e.name == "flashdraft::decoder_layer" for e in prof.events())
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
 @pytest.mark.parametrize(
     "arch, overrides",
     [
@@ -95,6 +95,8 @@ def layer_calls(target: Target, ids: torch.Tensor, max_new: int) -> int:
         ("qwen3", {}),  # q_norm / k_norm
         ("mistral", {}),
         ("llama", {"attention_bias": True, "mlp_bias": True}),  # every linear biased
+        # widths off the vectors: the norms' (92) and RoPE's (14) tails longer than half a vector, avx2 or avx512
+        ("llama", {"hidden_size": 92, "head_dim": 28, "num_key_value_heads": 4}),
     ],
 )
 def test_fused_layers_decode_what_the_model_s_layers_decode_and_dflash_is_plain_decoding(
@@ -112,7 +114,7 @@ def test_fused_layers_decode_what_the_model_s_layers_decode_and_dflash_is_plain_
     assert_batched_dflash_is_plain_decoding(target, draft, max_batch_size=3)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
 def test_compiled_fused_layers_are_one_call_each_and_dflash_is_plain_decoding(dtype):
     """`--quantize w8a16 --compile` fuses the layers (qwen3: its q / k norms too): the graph calls the operator once
     per layer, and DFlash is plain decoding on one row and in batches."""
@@ -177,7 +179,9 @@ def test_layers_the_operator_cannot_run_keep_their_own_forward():
     assert_dflash_is_plain_decoding(target, drafter(model))
 
 
-@pytest.mark.parametrize("arch, dtype", [("llama", torch.bfloat16), ("qwen3", torch.float32)])
+@pytest.mark.parametrize(
+    "arch, dtype", [("llama", torch.bfloat16), ("qwen3", torch.float32)], ids=["llama-bf16", "qwen3-fp32"]
+)
 def test_draft_trees_on_fused_layers_decode_as_plain(arch, dtype):
     """Trees (the policy with a free verify, so it takes big trees): each node's query attends its ancestors' columns
     at its depth's position through the operator, and the outputs equal plain decoding, one row and batched."""
