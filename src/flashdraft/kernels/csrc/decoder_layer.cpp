@@ -144,95 +144,6 @@ inline void each_row(int64_t M, Fn fn) {
   });
 }
 
-// the layer in element type T (the checks done: `decoder_layer` below)
-template <typename T>
-at::Tensor layer(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
-                         at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& columns,
-                         const at::Tensor& mask, const at::Tensor& norm_in, const at::Tensor& norm_post,
-                         const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
-                         const at::Tensor& qkv_packed, const at::Tensor& qkv_scales, const at::Tensor& qkv_colsums,
-                         const std::optional<at::Tensor>& qkv_bias, const at::Tensor& o_packed,
-                         const at::Tensor& o_scales, const at::Tensor& o_colsums,
-                         const std::optional<at::Tensor>& o_bias, const at::Tensor& gu_packed,
-                         const at::Tensor& gu_scales, const at::Tensor& gu_colsums,
-                         const std::optional<at::Tensor>& gu_bias, const at::Tensor& down_packed,
-                         const at::Tensor& down_scales, const at::Tensor& down_colsums,
-                         const std::optional<at::Tensor>& down_bias, int64_t heads, int64_t kv_heads,
-                         int64_t head_dim, int64_t intermediate, double eps, double scale) {
-  const int64_t b = hidden.size(0), n = hidden.size(1), H = hidden.size(2), d = head_dim, M = b * n;
-  const int64_t qw = heads * d, kw = kv_heads * d, width = qw + 2 * kw;
-  const at::Tensor cos_c = cos.contiguous(), sin_c = sin.contiguous(), cols = columns.contiguous();
-  const int64_t capacity = key_cache.size(2);
-  const int64_t* col = cols.data_ptr<int64_t>();
-  for (int64_t t = 0; t < n; ++t)
-    TORCH_CHECK(col[t] >= 0 && col[t] < capacity, "flashdraft::decoder_layer: a column is outside the cache");
-
-  // x = norm(hidden); q / k / v in one product
-  at::Tensor x = at::empty({M, H}, hidden.options());
-  const T* h = hidden.data_ptr<T>();
-  const float eps_f = static_cast<float>(eps);
-  each_row(M, [&](int64_t m) { rms_norm(h + m * H, norm_in.data_ptr<T>(), x.data_ptr<T>() + m * H, H, eps_f); });
-  at::Tensor qkv = linear(x, qkv_packed, qkv_scales, qkv_colsums, qkv_bias);  // [M, qw + 2 kw]
-
-  // per-head norms, RoPE; the query rows apart [b, n, heads, d]; the cache's write
-  at::Tensor q = at::empty({b, n, heads, d}, hidden.options());
-  T* qp = q.data_ptr<T>();
-  T* kc = key_cache.data_ptr<T>();
-  T* vc = value_cache.data_ptr<T>();
-  const int64_t ks0 = key_cache.stride(0), ks1 = key_cache.stride(1), ks2 = key_cache.stride(2);
-  const int64_t vs0 = value_cache.stride(0), vs1 = value_cache.stride(1), vs2 = value_cache.stride(2);
-  const T* qn = q_norm.has_value() ? q_norm->data_ptr<T>() : nullptr;
-  const T* kn = k_norm.has_value() ? k_norm->data_ptr<T>() : nullptr;
-  each_row(M, [&](int64_t m) {
-    thread_local std::vector<T> head;  // a key head between its norm, RoPE and the cache (each thread its own)
-    head.resize(d);
-    const int64_t row = m / n, t = m % n, c = cos.size(0) == 1 ? t : m;
-    const T* src = qkv.data_ptr<T>() + m * width;
-    const T* cs = cos_c.data_ptr<T>() + c * d;
-    const T* sn = sin_c.data_ptr<T>() + c * d;
-    for (int64_t hh = 0; hh < heads; ++hh) {
-      T* dst = qp + m * qw + hh * d;
-      if (qn) rms_norm(src + hh * d, qn, dst, d, eps_f);
-      else std::copy(src + hh * d, src + (hh + 1) * d, dst);
-      rope(dst, cs, sn, d);
-    }
-    for (int64_t g = 0; g < kv_heads; ++g) {
-      T* kdst = kc + row * ks0 + g * ks1 + col[t] * ks2;
-      const T* ksrc = src + qw + g * d;
-      if (kn) rms_norm(ksrc, kn, head.data(), d, eps_f);
-      else std::copy(ksrc, ksrc + d, head.data());
-      rope(head.data(), cs, sn, d);
-      std::copy(head.begin(), head.end(), kdst);
-      const T* vsrc = src + qw + kw + g * d;
-      std::copy(vsrc, vsrc + d, vc + row * vs0 + g * vs1 + col[t] * vs2);
-    }
-  });
-  qkv.reset();
-
-  // attention over the columns the mask covers (the cache's capacity at most)
-  const at::Tensor m4 = mask.size(3) > capacity ? mask.narrow(3, 0, capacity) : mask;
-  at::Tensor a = attend(q.transpose(1, 2), key_cache, value_cache, m4, scale);  // [b, n, heads, d]
-  at::Tensor o = linear(a.view({M, qw}), o_packed, o_scales, o_colsums, o_bias);  // [M, H]
-  a.reset();
-
-  // h = hidden + o; y = norm(h); the MLP; out = h + down
-  at::Tensor out = at::empty({b, n, H}, hidden.options());
-  T* out_ = out.data_ptr<T>();
-  each_row(M, [&](int64_t m) {
-    add(h + m * H, o.data_ptr<T>() + m * H, out_ + m * H, H);
-    rms_norm(out_ + m * H, norm_post.data_ptr<T>(), x.data_ptr<T>() + m * H, H, eps_f);
-  });
-  at::Tensor gu = linear(x, gu_packed, gu_scales, gu_colsums, gu_bias);  // [M, 2 I]: gate, then up
-  at::Tensor act = at::empty({M, intermediate}, hidden.options());
-  each_row(M, [&](int64_t m) {
-    const T* gate = gu.data_ptr<T>() + m * 2 * intermediate;
-    silu_mul(gate, gate + intermediate, act.data_ptr<T>() + m * intermediate, intermediate);
-  });
-  gu.reset();
-  at::Tensor down = linear(act, down_packed, down_scales, down_colsums, down_bias);
-  each_row(M, [&](int64_t m) { add(out_ + m * H, down.data_ptr<T>() + m * H, out_ + m * H, H); });
-  return out;
-}
 // hidden [b, n, H] bf16 or fp32; cos / sin [b | 1, n, d], the caches [b, kv_heads, capacity, d] (written at
 // `columns` [n]) and the norms' weights in hidden's dtype; mask [b | 1, 1 | heads, n | 1, >= width] bool or added
 // -> the layer's output [b, n, H]
@@ -270,12 +181,82 @@ at::Tensor decoder_layer(const at::Tensor& hidden, const at::Tensor& cos, const 
   for (const std::optional<at::Tensor>* w : {&q_norm, &k_norm})
     TORCH_CHECK(!w->has_value() || ((*w)->is_contiguous() && (*w)->scalar_type() == dtype && (*w)->numel() == d),
                 op, "the heads' norms' weights must be [head_dim] in hidden's dtype");
+  const at::Tensor cos_c = cos.contiguous(), sin_c = sin.contiguous(), cols = columns.contiguous();
+  const int64_t capacity = key_cache.size(2);
+  const int64_t* col = cols.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t) TORCH_CHECK(col[t] >= 0 && col[t] < capacity, op, "a column is outside the cache");
+
+  // the layer in element type T
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    return layer<T>(hidden, cos, sin, key_cache, value_cache, columns, mask, norm_in, norm_post, q_norm, k_norm,
-                    qkv_packed, qkv_scales, qkv_colsums, qkv_bias, o_packed, o_scales, o_colsums, o_bias, gu_packed,
-                    gu_scales, gu_colsums, gu_bias, down_packed, down_scales, down_colsums, down_bias, heads,
-                    kv_heads, head_dim, intermediate, eps, scale);
+    const int64_t H = hidden.size(2), M = b * n;
+    const int64_t qw = heads * d, kw = kv_heads * d, width = qw + 2 * kw;
+
+    // x = norm(hidden); q / k / v in one product
+    at::Tensor x = at::empty({M, H}, hidden.options());
+    const T* h = hidden.data_ptr<T>();
+    const float eps_f = static_cast<float>(eps);
+    each_row(M, [&](int64_t m) { rms_norm(h + m * H, norm_in.data_ptr<T>(), x.data_ptr<T>() + m * H, H, eps_f); });
+    at::Tensor qkv = linear(x, qkv_packed, qkv_scales, qkv_colsums, qkv_bias);  // [M, qw + 2 kw]
+
+    // per-head norms, RoPE; the query rows apart [b, n, heads, d]; the cache's write
+    at::Tensor q = at::empty({b, n, heads, d}, hidden.options());
+    T* qp = q.data_ptr<T>();
+    T* kc = key_cache.data_ptr<T>();
+    T* vc = value_cache.data_ptr<T>();
+    const int64_t ks0 = key_cache.stride(0), ks1 = key_cache.stride(1), ks2 = key_cache.stride(2);
+    const int64_t vs0 = value_cache.stride(0), vs1 = value_cache.stride(1), vs2 = value_cache.stride(2);
+    const T* qn = q_norm.has_value() ? q_norm->data_ptr<T>() : nullptr;
+    const T* kn = k_norm.has_value() ? k_norm->data_ptr<T>() : nullptr;
+    each_row(M, [&](int64_t m) {
+      thread_local std::vector<T> head;  // a key head between its norm, RoPE and the cache (each thread its own)
+      head.resize(d);
+      const int64_t row = m / n, t = m % n, c = cos.size(0) == 1 ? t : m;
+      const T* src = qkv.data_ptr<T>() + m * width;
+      const T* cs = cos_c.data_ptr<T>() + c * d;
+      const T* sn = sin_c.data_ptr<T>() + c * d;
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        T* dst = qp + m * qw + hh * d;
+        if (qn) rms_norm(src + hh * d, qn, dst, d, eps_f);
+        else std::copy(src + hh * d, src + (hh + 1) * d, dst);
+        rope(dst, cs, sn, d);
+      }
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        T* kdst = kc + row * ks0 + g * ks1 + col[t] * ks2;
+        const T* ksrc = src + qw + g * d;
+        if (kn) rms_norm(ksrc, kn, head.data(), d, eps_f);
+        else std::copy(ksrc, ksrc + d, head.data());
+        rope(head.data(), cs, sn, d);
+        std::copy(head.begin(), head.end(), kdst);
+        const T* vsrc = src + qw + kw + g * d;
+        std::copy(vsrc, vsrc + d, vc + row * vs0 + g * vs1 + col[t] * vs2);
+      }
+    });
+    qkv.reset();
+
+    // attention over the columns the mask covers (the cache's capacity at most)
+    const at::Tensor m4 = mask.size(3) > capacity ? mask.narrow(3, 0, capacity) : mask;
+    at::Tensor a = attend(q.transpose(1, 2), key_cache, value_cache, m4, scale);  // [b, n, heads, d]
+    at::Tensor o = linear(a.view({M, qw}), o_packed, o_scales, o_colsums, o_bias);  // [M, H]
+    a.reset();
+
+    // h = hidden + o; y = norm(h); the MLP; out = h + down
+    at::Tensor out = at::empty({b, n, H}, hidden.options());
+    T* out_ = out.data_ptr<T>();
+    each_row(M, [&](int64_t m) {
+      add(h + m * H, o.data_ptr<T>() + m * H, out_ + m * H, H);
+      rms_norm(out_ + m * H, norm_post.data_ptr<T>(), x.data_ptr<T>() + m * H, H, eps_f);
+    });
+    at::Tensor gu = linear(x, gu_packed, gu_scales, gu_colsums, gu_bias);  // [M, 2 I]: gate, then up
+    at::Tensor act = at::empty({M, intermediate}, hidden.options());
+    each_row(M, [&](int64_t m) {
+      const T* gate = gu.data_ptr<T>() + m * 2 * intermediate;
+      silu_mul(gate, gate + intermediate, act.data_ptr<T>() + m * intermediate, intermediate);
+    });
+    gu.reset();
+    at::Tensor down = linear(act, down_packed, down_scales, down_colsums, down_bias);
+    each_row(M, [&](int64_t m) { add(out_ + m * H, down.data_ptr<T>() + m * H, out_ + m * H, H); });
+    return out;
   };
   return dtype == at::kFloat ? run(float{}) : run(bf16{});
 }
