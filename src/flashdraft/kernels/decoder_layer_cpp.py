@@ -5,8 +5,8 @@ four w8a16 products, the attention and three kernels of its own (the norms, RoPE
 up), each with its Python call, its checks and its views. On a 2-core Emerald Rapids Xeon half of a one-token step
 of SmolLM2-135M was the first thread's Python and torch's dispatch while the second waited (`perf`,
 benchmarks/README.md, stop 75); 37 % of it lay outside the operators (stop 76). Eager, the model's own layer made
-about twenty: the fused layers make an eager w8a16 target decode as fast as a compiled one, with no compile (on an
-avx2 CPU, where w8a16 runs fp32 rows, `--compile` is a start of minutes; benchmarks/README.md, stop 92).
+about twenty: fused, an eager w8a16 target decodes within about a quarter of a compiled one's speed, with no compile
+(on an avx2 CPU, where w8a16 runs fp32 rows, `--compile` is a start of minutes; benchmarks/README.md, stop 92).
 
 The operator calls the w8a16 product (w8a16_cpp.py) and the short-query attention (attention_cpp.py) through
 torch's dispatcher, and does the rest in plain loops, each query row alone:
